@@ -1,0 +1,40 @@
+"""gpuvirt: a GPU virtualization host (SR-IOV style VFs) and its guest library."""
+
+from gpuvirt.errors import (
+    AuthRefusedError,
+    BufferLostError,
+    ConfigError,
+    DetachedError,
+    GpuvirtError,
+    HostUnreachableError,
+    KernelError,
+    OutOfMemoryError,
+    StaleBufferError,
+    VFResetError,
+)
+
+__all__ = [
+    "AuthRefusedError",
+    "BufferLostError",
+    "ConfigError",
+    "DetachedError",
+    "GpuvirtError",
+    "HostUnreachableError",
+    "KernelError",
+    "OutOfMemoryError",
+    "StaleBufferError",
+    "VFResetError",
+    "attach",
+    "kernel",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The guest library pulls in numpy and cloudpickle; the host CLI should not pay for them.
+    if name in ("attach", "kernel"):
+        from gpuvirt.guest import client
+
+        return getattr(client, name)
+    raise AttributeError(name)
