@@ -1,0 +1,114 @@
+"""The command channel between a guest and its VF's engine (pure, no I/O).
+
+The channel is a SOCK_SEQPACKET socket pair, so every message is one datagram:
+a 16-byte header and a payload. The host creates the pair and hands one end to
+the guest and one to the engine; after that the host never sees this traffic.
+
+Payloads are cloudpickle/pickle bytes: they travel only between a tenant and
+its own engine, which is the tenant's code anyway. The host never decodes them.
+
+    header '<BBHIQ': kind u8, flags u8, reserved u16, kid u32, seq u64
+
+kind        guest → engine                       engine → guest
+DEFINE      kid = kernel id, payload = cloudpickle(fn)
+LAUNCH      kid, seq, payload = pickle((args, kwargs)); buffers as BufDesc
+COPY_IN     seq, payload = Copy (staging → FB; backends without a mapped FB)
+COPY_OUT    seq, payload = Copy (FB → staging)
+DONE                                              seq, flags = Status, payload = result
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from gpuvirt.protocol.errors import ProtocolError
+
+HEADER = struct.Struct("<BBHIQ")
+HEADER_SIZE = HEADER.size
+# One datagram must fit the socket's send buffer; bigger kernels are refused
+# with a message instead of failing deep inside sendmsg.
+MAX_MESSAGE = 192 * 1024
+COPY = struct.Struct("<QQQ")
+
+
+class Kind(IntEnum):
+    DEFINE = 1
+    LAUNCH = 2
+    COPY_IN = 3
+    COPY_OUT = 4
+    DONE = 5
+
+
+class Status(IntEnum):
+    OK = 0
+    KERNEL_ERROR = 1  # payload: the traceback, utf-8
+    BAD_REQUEST = 2  # payload: why, utf-8
+
+
+@dataclass(frozen=True)
+class BufDesc:
+    """A buffer as it crosses the guest/engine boundary: where it is, never its data."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        import numpy as np  # the descriptor itself stays importable without numpy
+
+        n = int(np.dtype(self.dtype).itemsize)
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A copy between the FB and the guest's staging area (offsets in each)."""
+
+    fb_offset: int
+    staging_offset: int
+    nbytes: int
+
+    def encode(self) -> bytes:
+        return COPY.pack(self.fb_offset, self.staging_offset, self.nbytes)
+
+    @classmethod
+    def decode(cls, data: bytes) -> Copy:
+        if len(data) != COPY.size:
+            raise ProtocolError(f"copy descriptor: {len(data)} bytes, expected {COPY.size}")
+        return cls(*COPY.unpack(data))
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: Kind
+    seq: int = 0
+    kid: int = 0
+    flags: int = 0
+    payload: bytes = b""
+
+    def encode(self) -> bytes:
+        data = HEADER.pack(self.kind, self.flags, 0, self.kid, self.seq) + self.payload
+        if len(data) > MAX_MESSAGE:
+            raise ProtocolError(
+                f"command message of {len(data)} bytes exceeds the channel's {MAX_MESSAGE}-byte "
+                "limit; pass large data in buffers, not in the kernel's closure or arguments"
+            )
+        return data
+
+    @classmethod
+    def decode(cls, data: bytes) -> Message:
+        if len(data) < HEADER_SIZE:
+            raise ProtocolError(f"command message: {len(data)} bytes, shorter than the header")
+        kind, flags, reserved, kid, seq = HEADER.unpack_from(data)
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise ProtocolError(f"command message: unknown kind {kind}") from None
+        if reserved:
+            raise ProtocolError(f"command message: reserved field is {reserved}, must be 0")
+        return cls(kind, seq, kid, flags, bytes(data[HEADER_SIZE:]))
