@@ -1,0 +1,3 @@
+from gpuvirt.cli.main import app
+
+app()

@@ -1,0 +1,76 @@
+"""Talks to the host's admin endpoint (HTTP over a Unix socket or TCP)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from gpuvirt.errors import GpuvirtError, HostUnreachableError
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self.path))
+
+
+class AdminClient:
+    def __init__(self, address: Path | tuple[str, int], timeout: float = 30.0) -> None:
+        self.address = address
+        self.timeout = timeout
+
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        if isinstance(self.address, Path):
+            return _UnixConnection(self.address, timeout)
+        return http.client.HTTPConnection(*self.address, timeout=timeout)
+
+    def request(self, method: str, path: str, timeout: float | None = None) -> Any:
+        raw, ctype = self.raw(method, path, timeout)
+        return json.loads(raw) if ctype.startswith("application/json") else raw.decode()
+
+    def raw(self, method: str, path: str, timeout: float | None = None) -> tuple[bytes, str]:
+        conn = self._conn(timeout or self.timeout)
+        try:
+            conn.request(method, path)
+            resp = conn.getresponse()
+            body = resp.read()
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise HostUnreachableError(
+                f"no gpuvirt host at {self._where()} ({e.strerror}); start one with `gpuvirt host`"
+                " or point --config at the host's configuration"
+            ) from None
+        except OSError as e:
+            raise HostUnreachableError(f"admin endpoint {self._where()}: {e}") from None
+        finally:
+            conn.close()
+        ctype = resp.getheader("Content-Type", "")
+        if resp.status >= 400:
+            try:
+                msg = json.loads(body)["error"]
+            except (ValueError, KeyError, TypeError):
+                msg = body.decode(errors="replace")
+            raise GpuvirtError(msg)
+        return body, ctype
+
+    def _where(self) -> str:
+        return str(self.address) if isinstance(self.address, Path) else "%s:%d" % self.address
+
+    def status(self) -> dict[str, Any]:
+        return self.request("GET", "/status")
+
+    def vf(self, index: int, action: str | None = None) -> dict[str, Any]:
+        if action is None:
+            return self.request("GET", f"/vf/{index}")
+        return self.request("POST", f"/vf/{index}/{action}", timeout=120)
+
+    def events(self, after: int = 0, vf: int | None = None, wait: float = 0) -> list[dict[str, Any]]:
+        q = f"/events?after={after}&wait={wait}" + (f"&vf={vf}" if vf is not None else "")
+        return self.request("GET", q, timeout=wait + 30)

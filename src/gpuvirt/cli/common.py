@@ -1,0 +1,56 @@
+"""What every command shares: finding the configuration and the host, printing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from gpuvirt.cli.admin_client import AdminClient
+from gpuvirt.config import HostConfig, load_config
+from gpuvirt.errors import GpuvirtError
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", "-c", help="Host configuration (default: $GPUVIRT_CONFIG, "
+        "/etc/gpuvirt/gpuvirt.toml, built-in defaults)", show_default=False,
+    ),
+]  # fmt: skip
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code)
+
+
+def config_or_exit(path: Path | None, overrides: dict[str, Any] | None = None) -> HostConfig:
+    try:
+        return load_config(path, overrides)
+    except GpuvirtError as e:
+        raise fail(str(e), 2) from None
+
+
+def admin(path: Path | None) -> AdminClient:
+    cfg = config_or_exit(path)
+    return AdminClient(cfg.host.admin_address(create=False))
+
+
+def call(fn: Any, *args: Any) -> Any:
+    """Run a client call; a GpuvirtError becomes a clean message and exit code 1."""
+    try:
+        return fn(*args)
+    except GpuvirtError as e:
+        raise fail(str(e)) from None
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")

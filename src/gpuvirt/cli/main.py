@@ -1,0 +1,26 @@
+"""The `gpuvirt` command."""
+
+from __future__ import annotations
+
+import typer
+
+from gpuvirt.cli import vf
+from gpuvirt.cli.host_cmd import host
+
+app = typer.Typer(
+    name="gpuvirt",
+    help="GPU virtualization host: carve one GPU into isolated virtual GPUs (VFs).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command()(host)
+app.add_typer(vf.app, name="vf")
+
+
+def _register_optional() -> None:
+    # Each of these modules registers its own commands on `app`.
+    from gpuvirt.cli import bench, demo  # noqa: F401
+
+
+_register_optional()

@@ -1,0 +1,165 @@
+"""What the host needs from a device backend, and the world-switch command order.
+
+GIM keeps what is true of every GPU in its core and what one chip does in a
+hw layer; this module is the line between the two. The host drives a Device
+and its Engines through these interfaces and never asks which backend it has.
+
+World-switch commands carry GIM's codes and may only follow each other as the
+table below says; anything else is a bug and raises StateError naming the VF,
+the engine's last command and the one attempted.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+
+from gpuvirt.device.status import StatusArea
+from gpuvirt.errors import DeviceError, StateError
+
+
+class WSCommand(IntEnum):
+    IDLE_GPU = 0x01
+    SAVE_GPU_STATE = 0x02
+    LOAD_GPU_STATE = 0x03
+    RUN_GPU = 0x04
+    INIT_GPU = 0x07
+    SHUTDOWN_GPU = 0x0D
+
+
+# command -> the commands it may follow. A fresh engine counts as after SHUTDOWN.
+LEGAL_AFTER: dict[WSCommand, frozenset[WSCommand]] = {
+    WSCommand.INIT_GPU: frozenset({WSCommand.SHUTDOWN_GPU}),
+    WSCommand.RUN_GPU: frozenset({WSCommand.INIT_GPU, WSCommand.LOAD_GPU_STATE}),
+    WSCommand.IDLE_GPU: frozenset({WSCommand.RUN_GPU}),
+    WSCommand.SAVE_GPU_STATE: frozenset({WSCommand.IDLE_GPU}),
+    WSCommand.LOAD_GPU_STATE: frozenset({WSCommand.SAVE_GPU_STATE}),
+    WSCommand.SHUTDOWN_GPU: frozenset({WSCommand.SAVE_GPU_STATE}),
+}
+
+
+class CommandTimeout(DeviceError):
+    """A world-switch command was not done within cmd_timeout: the VF hangs."""
+
+
+class EngineDied(DeviceError):
+    """The engine process exited while the host expected it alive."""
+
+
+@dataclass
+class EngineSpec:
+    """Everything an engine needs to start: which VF and its FB."""
+
+    vf: int
+    fb_size: int
+
+
+class Engine(abc.ABC):
+    """One VF's executor. Subclasses implement the _do_* steps; ordering is enforced here."""
+
+    def __init__(self, spec: EngineSpec, status: StatusArea) -> None:
+        self.spec = spec
+        self.status = status
+        self.last = WSCommand.SHUTDOWN_GPU
+
+    def command(self, cmd: WSCommand, timeout: float) -> float:
+        """Run one world-switch command; return its duration in seconds."""
+        if self.last not in LEGAL_AFTER[cmd]:
+            raise StateError(
+                f"VF{self.spec.vf}: world-switch {cmd.name} is illegal after {self.last.name}"
+            )
+        t0 = time.monotonic()
+        {
+            WSCommand.INIT_GPU: self._do_init,
+            WSCommand.RUN_GPU: self._do_run,
+            WSCommand.IDLE_GPU: self._do_idle,
+            WSCommand.SAVE_GPU_STATE: self._do_save,
+            WSCommand.LOAD_GPU_STATE: self._do_load,
+            WSCommand.SHUTDOWN_GPU: self._do_shutdown,
+        }[cmd](timeout)
+        self.last = cmd
+        return time.monotonic() - t0
+
+    @property
+    def running(self) -> bool:
+        return self.last == WSCommand.RUN_GPU
+
+    @property
+    @abc.abstractmethod
+    def pid(self) -> int: ...
+
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """False once the engine process has exited (does not reap it)."""
+
+    @abc.abstractmethod
+    def exit_fd(self) -> int:
+        """A file descriptor that becomes readable when the engine process exits."""
+
+    @abc.abstractmethod
+    def idle_fd(self) -> int:
+        """An eventfd the engine signals when its queue drains (if NOTIFY_IDLE is set)."""
+
+    @abc.abstractmethod
+    def attach_guest(self, channel_fd: int) -> None:
+        """Install a new guest's command channel, dropping any previous guest's."""
+
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """SIGKILL the engine and reap it. Idempotent; legal in any state."""
+
+    @abc.abstractmethod
+    def _do_init(self, timeout: float) -> None: ...
+
+    @abc.abstractmethod
+    def _do_run(self, timeout: float) -> None: ...
+
+    @abc.abstractmethod
+    def _do_idle(self, timeout: float) -> None: ...
+
+    def _do_save(self, timeout: float) -> None:
+        """Contexts live in the engine process; nothing to copy out on these backends."""
+
+    def _do_load(self, timeout: float) -> None:
+        """See _do_save."""
+
+    @abc.abstractmethod
+    def _do_shutdown(self, timeout: float) -> None: ...
+
+
+class Device(abc.ABC):
+    """One GPU as the host sees it: FBs to carve and engines to run on them."""
+
+    backend: str
+
+    @abc.abstractmethod
+    def total_fb(self) -> int | None:
+        """Device memory available to VFs, or None where the config decides (emu)."""
+
+    @abc.abstractmethod
+    def create_fb(self, vf: int, size: int) -> int:
+        """Create the VF's FB; return the fd of its host-visible aperture (info blocks at 64 KiB)."""
+
+    @abc.abstractmethod
+    def scrub(self, vf: int) -> None:
+        """Zero the VF's whole FB. Only called while no engine has it mapped for a guest."""
+
+    @abc.abstractmethod
+    def fb_resident(self, vf: int) -> int:
+        """Bytes of the VF's FB that hold memory now (touched and not scrubbed)."""
+
+    @abc.abstractmethod
+    def new_engine(self, spec: EngineSpec) -> Engine:
+        """Spawn the VF's engine process. It is not usable until INIT_GPU completes."""
+
+    @abc.abstractmethod
+    def guest_fds(self, vf: int) -> list[int]:
+        """The descriptors a guest of this VF receives besides its command channel."""
+
+    def feature_flags(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Release whatever the device holds."""

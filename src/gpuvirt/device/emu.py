@@ -1,0 +1,255 @@
+"""The emulated GPU: FBs are memfds, engines are OS processes.
+
+World switch is real preemption: IDLE_GPU stops the engine process with
+SIGSTOP and confirms the stop with waitid(WSTOPPED), RUN_GPU continues it, so
+a kernel is paused mid-instruction. Scrubbing punches a hole over the whole
+memfd: every page reads as zero afterwards, for every mapping, and the memory
+goes back to the host without being touched page by page.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import ctypes.util
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from gpuvirt.device.base import CommandTimeout, Device, Engine, EngineDied, EngineSpec
+from gpuvirt.device.engine import CTL_EXIT, CTL_GUEST
+from gpuvirt.device.status import StatusArea
+from gpuvirt.errors import DeviceError
+from gpuvirt.protocol.command import BufDesc, Copy
+from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+# Test-only fault switch, read once by the host: "VF:SKIP:COUNT" makes VF's
+# engine starts after the first SKIP fail (the process really exits during
+# start), COUNT times, or forever when COUNT is 0. Several specs: comma-separated.
+FAULT_ENV = "GPUVIRT_FAULT_ENGINE_START"
+
+
+def punch_hole(fd: int, size: int) -> None:
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) != 0:
+        err = ctypes.get_errno()
+        raise DeviceError(f"scrub failed: fallocate(PUNCH_HOLE): {os.strerror(err)}")
+
+
+def send_fd(sock: socket.socket, msg: bytes, fd: int) -> None:
+    sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+
+
+class _Faults:
+    def __init__(self, spec: str) -> None:
+        self.plan: dict[int, list[int]] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            vf, skip, count = (int(x) for x in part.split(":"))
+            self.plan[vf] = [skip, count if count else -1]
+        self.starts: dict[int, int] = {}
+
+    def should_fail(self, vf: int) -> bool:
+        n = self.starts.get(vf, 0)
+        self.starts[vf] = n + 1
+        if vf not in self.plan:
+            return False
+        skip, left = self.plan[vf]
+        if n < skip or left == 0:
+            return False
+        if left > 0:
+            self.plan[vf][1] = left - 1
+        return True
+
+
+class EmuEngine(Engine):
+    def __init__(self, spec: EngineSpec, fb_fd: int, fault: bool) -> None:
+        status_fd = StatusArea.create(f"gpuvirt-vf{spec.vf}-status")
+        super().__init__(spec, StatusArea(status_fd))
+        self._ctl, engine_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._ctl.setblocking(False)
+        self._idle = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        cmd = [
+            sys.executable, "-m", "gpuvirt.device.engine", "--backend", "emu",
+            "--vf", str(spec.vf), "--fb-size", str(spec.fb_size),
+            "--fb-fd", str(fb_fd), "--status-fd", str(status_fd),
+            "--ctl-fd", str(engine_ctl.fileno()), "--idle-fd", str(self._idle),
+        ]  # fmt: skip
+        if fault:
+            cmd.append("--fault-exit")
+        # The host reaps engines itself (waitid); Popen is only the spawner.
+        self._popen = subprocess.Popen(
+            cmd,
+            pass_fds=(fb_fd, status_fd, engine_ctl.fileno(), self._idle),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        engine_ctl.close()
+        os.close(status_fd)
+        self._pidfd = os.pidfd_open(self._popen.pid)
+        self._reaped = False
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def exit_fd(self) -> int:
+        return self._pidfd
+
+    def idle_fd(self) -> int:
+        return self._idle
+
+    def alive(self) -> bool:
+        if self._reaped:
+            return False
+        info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        return info is None
+
+    def attach_guest(self, channel_fd: int) -> None:
+        send_fd(self._ctl, CTL_GUEST, channel_fd)
+
+    def _wait_stopped(self, timeout: float) -> None:
+        """Wait for the stop the last SIGSTOP asked for; an exit means the engine died."""
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while True:
+            info = os.waitid(
+                os.P_PID, self.pid, os.WSTOPPED | os.WEXITED | os.WNOHANG | os.WNOWAIT
+            )
+            if info is not None:
+                if info.si_code == os.CLD_STOPPED:
+                    os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WNOHANG)  # consume it
+                    return
+                raise EngineDied(f"VF{self.spec.vf}: engine pid {self.pid} exited")
+            if time.monotonic() > deadline:
+                raise CommandTimeout(
+                    f"VF{self.spec.vf}: engine pid {self.pid} did not stop within "
+                    f"{timeout * 1000:.0f} ms"
+                )
+            # A stop is not pollable; yield first (it usually lands within microseconds),
+            # then back off so a slow stop does not burn the other core.
+            spins += 1
+            if spins < 200:
+                os.sched_yield()
+            else:
+                time.sleep(0.0002)
+
+    def _do_init(self, timeout: float) -> None:
+        self._wait_stopped(timeout)
+
+    def _do_idle(self, timeout: float) -> None:
+        self._signal(signal.SIGSTOP)
+        self._wait_stopped(timeout)
+
+    def _do_run(self, timeout: float) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _do_shutdown(self, timeout: float) -> None:
+        self.kill()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            raise EngineDied(f"VF{self.spec.vf}: engine pid {self.pid} is gone") from None
+
+    def kill(self) -> None:
+        if self._reaped:
+            return
+        try:
+            self._ctl.send(CTL_EXIT)
+        except OSError:
+            pass
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _pid, status = os.waitpid(self.pid, 0)
+        self._popen.returncode = os.waitstatus_to_exitcode(status)
+        self._reaped = True
+        for fd in (self._pidfd, self._idle):
+            os.close(fd)
+        self._ctl.close()
+        self.status.close()
+
+
+class EmuDevice(Device):
+    backend = "emu"
+
+    def __init__(self) -> None:
+        self._fbs: dict[int, tuple[int, int]] = {}  # vf -> (fd, size)
+        self._faults = _Faults(os.environ.get(FAULT_ENV, ""))
+
+    def total_fb(self) -> int | None:
+        return None
+
+    def create_fb(self, vf: int, size: int) -> int:
+        fd = os.memfd_create(f"gpuvirt-vf{vf}-fb", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)  # sparse: costs memory only where touched
+        self._fbs[vf] = (fd, size)
+        return fd
+
+    def fb_fd(self, vf: int) -> int:
+        return self._fbs[vf][0]
+
+    def scrub(self, vf: int) -> None:
+        fd, size = self._fbs[vf]
+        punch_hole(fd, size)
+
+    def fb_resident(self, vf: int) -> int:
+        return os.fstat(self._fbs[vf][0]).st_blocks * 512
+
+    def new_engine(self, spec: EngineSpec) -> Engine:
+        return EmuEngine(spec, self._fbs[spec.vf][0], self._faults.should_fail(spec.vf))
+
+    def guest_fds(self, vf: int) -> list[int]:
+        return [self._fbs[vf][0]]
+
+    def feature_flags(self) -> int:
+        return FEATURE_FB_MAPPED | FEATURE_NETGPU
+
+    def destroy_fb(self, vf: int) -> None:
+        fd, _ = self._fbs.pop(vf)
+        os.close(fd)
+
+    def close(self) -> None:
+        for vf in list(self._fbs):
+            self.destroy_fb(vf)
+
+
+class EmuExecutor:
+    """Inside the engine: the FB is a shared mapping and buffers are numpy views of it."""
+
+    xp: Any = np
+
+    def __init__(self, fb_fd: int, fb_size: int) -> None:
+        self.fb = mmap.mmap(fb_fd, fb_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.size = fb_size
+
+    def view(self, desc: BufDesc) -> np.ndarray:
+        if desc.offset < 0 or desc.offset + desc.nbytes > self.size:
+            raise ValueError(
+                f"buffer at offset {desc.offset} of {desc.nbytes} bytes is outside the "
+                f"{self.size}-byte FB"
+            )
+        count = desc.nbytes // np.dtype(desc.dtype).itemsize
+        flat = np.frombuffer(self.fb, dtype=desc.dtype, count=count, offset=desc.offset)
+        return flat.reshape(desc.shape)
+
+    def copy_in(self, copy: Copy) -> None:
+        raise ValueError("emu FBs are mapped by the guest; no staging copies")
+
+    copy_out = copy_in
+
+    def synchronize(self) -> None:
+        pass

@@ -1,0 +1,71 @@
+"""The engine status area: plain u64 words in a small shared memfd.
+
+The host reads an engine's progress here without messaging it, and an engine
+can be stopped (SIGSTOP) at any instruction, so no lock is ever shared: every
+word has exactly one writer, and an aligned 8-byte store is atomic on every
+platform we run on. Words 0..63 are written by the engine, 64..127 by the host.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from enum import IntEnum
+
+import numpy as np
+
+STATUS_SIZE = 4096
+MAGIC = 0x47505556_53544154  # "GPUVSTAT"
+
+
+class Word(IntEnum):
+    # engine-written
+    MAGIC = 0
+    PID = 1
+    READY = 2  # 1 once the engine has mapped its FB and can take work
+    RECEIVED = 3  # launches received from the guest
+    COMPLETED = 4  # launches finished (ok or error)
+    CURRENT_SEQ = 5  # seq of the kernel running now, 0 when none
+    CURRENT_START_NS = 6  # CLOCK_MONOTONIC when it started
+    FAILED = 7  # kernels that raised
+    ACK_SERIAL = 8  # last host command acknowledged (cooperative backends)
+    GUEST_EPOCH = 9  # bumps each time a new guest channel is installed
+    # host-written
+    NOTIFY_IDLE = 64  # 1: signal the idle eventfd when the queue drains
+    CMD_SERIAL = 65  # cooperative world switch: serial of the latest command
+    CMD_CODE = 66  # and its code (a WSCommand)
+
+
+class StatusArea:
+    """A view of one engine's status words; either side constructs it over the same fd."""
+
+    def __init__(self, fd: int) -> None:
+        self._map = mmap.mmap(fd, STATUS_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.words = np.frombuffer(self._map, dtype=np.uint64)
+
+    @staticmethod
+    def create(name: str) -> int:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(fd, STATUS_SIZE)
+        return fd
+
+    def __getitem__(self, word: Word) -> int:
+        return int(self.words[word])
+
+    def __setitem__(self, word: Word, value: int) -> None:
+        self.words[word] = value
+
+    def bump(self, word: Word, by: int = 1) -> None:
+        # Safe only because each word has a single writer.
+        self.words[word] += by
+
+    def running_for_ns(self) -> int:
+        """How long the current kernel has been running in wall time (0 when none)."""
+        if not self[Word.CURRENT_SEQ]:
+            return 0
+        return max(0, time.monotonic_ns() - self[Word.CURRENT_START_NS])
+
+    def close(self) -> None:
+        del self.words
+        self._map.close()

@@ -1,0 +1,409 @@
+"""The guest library (VF driver): attach to a VF, allocate, launch, survive resets.
+
+    with gpuvirt.attach(vf=1, token=...) as gpu:
+        x = gpu.alloc((1024,), np.float32)
+        gpu.launch(scale, x, factor=2.0).result(timeout=5)
+
+A mailbox thread owns the host connection: it answers QUERY_ALIVE, and on
+FLR_NOTIFICATION fails pending launches (VFResetError), answers
+READY_TO_RESET, waits for FLR_NOTIFICATION_COMPLETION and initializes the VF
+again on its own; old buffers then raise BufferLostError and `on_reset` is
+called. Replies to the caller's own requests are passed to it through a queue.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import mmap
+import os
+import queue as queue_mod
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gpuvirt.config import parse_token
+from gpuvirt.errors import (
+    AuthRefusedError,
+    DetachedError,
+    GpuvirtError,
+    HostUnreachableError,
+    VFResetError,
+)
+from gpuvirt.guest.memory import Allocator, Buffer, MappedFB
+from gpuvirt.guest.queue import CommandQueue, Kernel, LaunchFuture, kernel
+from gpuvirt.protocol.command import Kind
+from gpuvirt.protocol.errors import ProtocolError
+from gpuvirt.protocol.info import (
+    BLOCK_SIZE,
+    FEATURE_FB_MAPPED,
+    PF2VF,
+    PF2VF_OFFSET,
+    VF2PF,
+    VF2PF_OFFSET,
+)
+from gpuvirt.protocol.mailbox import (
+    FRAME_SIZE,
+    Attach,
+    FailReason,
+    Frame,
+    GuestMsg,
+    HostMsg,
+    alive_reply,
+)
+
+__all__ = ["Gpu", "attach", "kernel"]
+
+DRIVER_VERSION = "gpuvirt-guest 0.1.0"
+ACK_TIMEOUT_S = 0.5  # DESIGN.md: acknowledgement
+REPLY_TIMEOUT_S = 15.0  # a reply that may wait for the schedule
+FLR_TIMEOUT_S = 10.0  # FLR completion
+
+_REFUSALS = {
+    FailReason.BAD_TOKEN: "the token is wrong for this VF",
+    FailReason.BAD_VF: "no such VF on this host",
+    FailReason.BAD_UID: "your uid is not allowed to use this VF",
+    FailReason.VF_BUSY: "another guest holds this VF",
+    FailReason.VF_DISABLED: "the VF is disabled or failed",
+    FailReason.QUARANTINED: "the VF is quarantined after repeated resets; an admin must run "
+    "`gpuvirt vf clear-guard N`",
+    FailReason.BAD_ATTACH: "the host did not understand the ATTACH frame",
+}
+
+
+def _reason(frame: Frame) -> str:
+    try:
+        return _REFUSALS[FailReason(frame.dw1)]
+    except ValueError:
+        return f"refused (code 0x{frame.dw1:x})"
+
+
+class Gpu:
+    """One attached VF."""
+
+    def __init__(
+        self, vf: int, sock: socket.socket, on_reset: Callable[[Gpu], None] | None
+    ) -> None:
+        self.vf = vf
+        self._sock = sock
+        self.on_reset = on_reset
+        self.generation = 0
+        self.closed = False
+        self.resets = 0
+        self.info: PF2VF | None = None
+        self._replies: queue_mod.Queue[tuple[Frame, list[int]]] = queue_mod.Queue()
+        self._send_lock = threading.Lock()
+        self._ready = threading.Event()  # set while the VF is usable
+        self._reset_done = threading.Event()
+        self._reset_error: GpuvirtError | None = None
+        self._mem: mmap.mmap | None = None
+        self._fb: Any = None
+        self._queue: CommandQueue | None = None
+        self._allocator: Allocator | None = None
+        self._key = 0
+        self._netgpu: Any = None
+        self._stop = threading.Event()
+        self._mbox = threading.Thread(target=self._mailbox, name=f"gpuvirt-vf{vf}-mbox", daemon=True)
+        self._mbox.start()
+        self._vf2pf_thread = threading.Thread(target=self._vf2pf_loop, daemon=True)
+
+    # ---- public API ------------------------------------------------------------------
+
+    def alloc(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Buffer:
+        self._check_attached()
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape {shape}: dimensions must be ≥ 0")
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise ValueError(f"dtype {dt}: object arrays cannot live in device memory")
+        nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+        assert self._allocator is not None
+        return Buffer(self, self._allocator.alloc(nbytes), shape, dt)
+
+    def launch(self, k: Kernel | Callable[..., Any], *args: Any, **kwargs: Any) -> LaunchFuture:
+        self._check_attached()
+        k = kernel(k)
+        args = tuple(a.desc if isinstance(a, Buffer) else a for a in args)
+        kwargs = {n: (v.desc if isinstance(v, Buffer) else v) for n, v in kwargs.items()}
+        assert self._queue is not None
+        return self._queue.launch(k, args, kwargs)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        self._check_attached()
+        assert self._queue is not None
+        self._queue.synchronize(timeout)
+
+    @property
+    def fb_size(self) -> int:
+        return self.info.fb_size if self.info else 0
+
+    @property
+    def fb_used(self) -> int:
+        return self._allocator.used if self._allocator else 0
+
+    @property
+    def launches_completed(self) -> int:
+        return self._queue.completed if self._queue else 0
+
+    @property
+    def netgpu(self) -> Any:
+        from gpuvirt.netgpu.pool import NetGPU
+
+        if self._netgpu is None:
+            self._netgpu = NetGPU(self)
+        return self._netgpu
+
+    def wait_ready(self, timeout: float = FLR_TIMEOUT_S) -> None:
+        """Block until the VF is usable again after a reset."""
+        if not self._ready.wait(timeout):
+            raise VFResetError(f"VF{self.vf} did not come back from reset within {timeout} s")
+        self._check_attached()
+
+    def request_reset(self) -> None:
+        """Ask the host for an FLR of this VF (REQ_GPU_RESET_ACCESS)."""
+        self._send(Frame(GuestMsg.REQ_GPU_RESET_ACCESS))
+
+    def close(self) -> None:
+        """Fini: hand the VF back; the host scrubs its FB."""
+        if self.closed:
+            return
+        try:
+            if self._ready.is_set():
+                self._request(Frame(GuestMsg.REQ_GPU_FINI_ACCESS), HostMsg.READY_TO_ACCESS_GPU)
+                self._request(Frame(GuestMsg.REL_GPU_FINI_ACCESS), HostMsg.SUCCESS)
+        except GpuvirtError:
+            pass  # the host treats the closed connection as the fini
+        finally:
+            self._teardown(DetachedError(f"VF{self.vf} was detached by this process"))
+
+    def __enter__(self) -> Gpu:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _check_attached(self) -> None:
+        if self.closed:
+            raise DetachedError(f"VF{self.vf} is detached; call gpuvirt.attach() again")
+        if not self._ready.is_set():
+            if self._reset_error is not None:
+                raise self._reset_error
+            raise VFResetError(
+                f"VF{self.vf} is being reset; its work and buffers are lost. "
+                "gpu.wait_ready() blocks until it is back"
+            )
+
+    def _send(self, frame: Frame) -> None:
+        with self._send_lock:
+            try:
+                self._sock.sendall(frame.encode())
+            except OSError as e:
+                raise DetachedError(f"lost the host connection: {e}") from None
+
+    def _request(self, frame: Frame, want: HostMsg, timeout: float = REPLY_TIMEOUT_S) -> tuple[Frame, list[int]]:
+        self._send(frame)
+        try:
+            reply, fds = self._replies.get(timeout=timeout)
+        except queue_mod.Empty:
+            raise DetachedError(
+                f"host sent no reply to {GuestMsg(frame.msg).name} within {timeout} s"
+            ) from None
+        if reply.msg == HostMsg.FAIL and want != HostMsg.FAIL:
+            for fd in fds:
+                os.close(fd)
+            raise AuthRefusedError(f"VF{self.vf}: {GuestMsg(frame.msg).name} refused: {_reason(reply)}")
+        if reply.msg != want:
+            for fd in fds:
+                os.close(fd)
+            raise DetachedError(f"expected {want.name}, host sent message {reply.msg}")
+        return reply, fds
+
+    def _init(self) -> None:
+        """The init sequence: INIT_DATA, INIT_ACCESS (+ fds), set up, REL_INIT_ACCESS."""
+        self._request(Frame(GuestMsg.REQ_GPU_INIT_DATA), HostMsg.GPU_INIT_DATA_READY)
+        reply, fds = self._request(Frame(GuestMsg.REQ_GPU_INIT_ACCESS), HostMsg.READY_TO_ACCESS_GPU)
+        try:
+            if len(fds) < 3:
+                raise DetachedError(f"host sent {len(fds)} descriptors, expected 3")
+            aperture, channel, doorbell = fds[0], fds[-2], fds[-1]
+            self._key = reply.dw2
+            size = os.fstat(aperture).st_size
+            self._mem = mmap.mmap(aperture, size, mmap.MAP_SHARED)
+            try:
+                info = PF2VF.decode(bytes(self._mem[PF2VF_OFFSET : PF2VF_OFFSET + BLOCK_SIZE]), self._key)
+            except ProtocolError as e:
+                raise DetachedError(f"PF2VF block is bad ({e}); refusing to start") from None
+            if not info.feature_flags & FEATURE_FB_MAPPED:
+                raise GpuvirtError("this guest library needs a mapped FB (emu backend)")
+            self.info = info
+            self._fb = MappedFB(self._mem, info.fb_size)
+            self._allocator = Allocator.for_fb(info.fb_size)
+            self._queue = CommandQueue(socket.socket(fileno=channel), doorbell)
+            fds = [fd for fd in fds if fd not in (channel, doorbell)]
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._write_vf2pf()
+        self._request(Frame(GuestMsg.REL_GPU_INIT_ACCESS), HostMsg.SUCCESS)
+        self._ready.set()
+        if not self._vf2pf_thread.is_alive():
+            self._vf2pf_thread.start()
+
+    def _write_vf2pf(self) -> None:
+        if self._mem is None:
+            return
+        block = VF2PF(
+            driver_version=DRIVER_VERSION,
+            pid=os.getpid(),
+            fb_used=self.fb_used,
+            launches_completed=self.launches_completed,
+        ).encode(self._key)
+        self._mem[VF2PF_OFFSET : VF2PF_OFFSET + BLOCK_SIZE] = block
+
+    def _vf2pf_loop(self) -> None:
+        while not self._stop.wait(self.info.vf2pf_interval_ms / 1000 if self.info else 2.0):
+            if self._ready.is_set():
+                with contextlib.suppress(ValueError, TypeError):
+                    self._write_vf2pf()
+
+    def _drop_vf(self, exc: GpuvirtError) -> None:
+        """Forget the VF's resources: pending work fails with exc, buffers go stale."""
+        self._ready.clear()
+        self.generation += 1
+        if self._queue is not None:
+            self._queue.fail_all(exc)
+            self._queue.close()
+            self._queue = None
+        if self._fb is not None:
+            self._fb.close()
+            self._fb = None
+        if self._mem is not None:
+            with contextlib.suppress(BufferError):
+                self._mem.close()
+            self._mem = None
+
+    def _mailbox(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, fds = _recv_frame(self._sock)
+            except OSError:
+                data, fds = b"", []
+            if len(data) < FRAME_SIZE:
+                if not self.closed:
+                    self._reset_error = DetachedError(f"VF{self.vf}: the host closed the connection")
+                    self._drop_vf(self._reset_error)
+                    self._replies.put((Frame(HostMsg.FAIL, 0), []))
+                return
+            frame = Frame.decode(data)
+            if frame.msg == HostMsg.QUERY_ALIVE:
+                with contextlib.suppress(GpuvirtError):
+                    self._send(alive_reply(frame.dw1))
+            elif frame.msg == HostMsg.FLR_NOTIFICATION:
+                self._on_flr()
+            elif frame.msg == HostMsg.FLR_NOTIFICATION_COMPLETION:
+                threading.Thread(target=self._reinit, daemon=True).start()
+            else:
+                self._replies.put((frame, fds))
+
+    def _on_flr(self) -> None:
+        self.resets += 1
+        self._drop_vf(VFResetError(f"VF{self.vf} was reset (FLR); its pending work was lost"))
+        with contextlib.suppress(GpuvirtError):
+            self._send(Frame(GuestMsg.READY_TO_RESET))
+
+    def _reinit(self) -> None:
+        try:
+            self._init()
+            self._reset_error = None
+        except GpuvirtError as e:
+            self._reset_error = e
+            return
+        if self.on_reset is not None:
+            self.on_reset(self)
+
+    def _teardown(self, exc: GpuvirtError) -> None:
+        self.closed = True
+        self._stop.set()
+        self._drop_vf(exc)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+def _recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
+    fds = array.array("i")
+    data = b""
+    got: list[int] = []
+    while len(data) < FRAME_SIZE:
+        chunk, anc, _flags, _addr = sock.recvmsg(FRAME_SIZE - len(data), socket.CMSG_SPACE(8 * fds.itemsize))
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(raw[: len(raw) - len(raw) % a.itemsize])
+                got.extend(a)
+        if not chunk:
+            break
+        data += chunk
+    return data, got
+
+
+def attach(
+    vf: int | None = None,
+    socket: str | os.PathLike[str] | None = None,
+    token: str | bytes | None = None,
+    *,
+    on_reset: Callable[[Gpu], None] | None = None,
+    timeout: float = REPLY_TIMEOUT_S,
+) -> Gpu:
+    """Attach to a VF. Defaults come from GPUVIRT_VF, GPUVIRT_SOCKET, GPUVIRT_TOKEN."""
+    import socket as socket_mod
+
+    from gpuvirt.config import load_config
+
+    path = (
+        socket
+        or os.environ.get("GPUVIRT_SOCKET")
+        or load_config().host.socket_path(create=False)
+    )
+    if vf is None:
+        env = os.environ.get("GPUVIRT_VF")
+        if env is None:
+            raise GpuvirtError("no VF given: pass vf= or set GPUVIRT_VF")
+        try:
+            vf = int(env)
+        except ValueError:
+            raise GpuvirtError(f"GPUVIRT_VF={env!r}: not a VF index") from None
+    if token is None:
+        token = os.environ.get("GPUVIRT_TOKEN")
+        if token is None:
+            raise GpuvirtError("no token given: pass token= or set GPUVIRT_TOKEN")
+    raw = parse_token(token)
+    sock = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+    try:
+        sock.connect(os.fspath(path))
+    except OSError as e:
+        sock.close()
+        raise HostUnreachableError(
+            f"cannot reach the gpuvirt host at {path}: {e.strerror}; is `gpuvirt host` running "
+            "and is this the socket it printed?"
+        ) from None
+    sock.sendall(Attach(vf=vf, token=raw).encode())
+    gpu = Gpu(vf, sock, on_reset)
+    try:
+        reply, _ = gpu._replies.get(timeout=timeout)
+        if reply.msg != HostMsg.SUCCESS:
+            raise AuthRefusedError(f"attach to VF{vf} refused: {_reason(reply)}")
+        gpu._init()
+    except queue_mod.Empty:
+        gpu._teardown(DetachedError("no answer"))
+        raise HostUnreachableError(f"host at {path} did not answer ATTACH within {timeout} s") from None
+    except BaseException:
+        gpu._teardown(DetachedError(f"attach to VF{vf} failed"))
+        raise
+    return gpu

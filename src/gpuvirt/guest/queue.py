@@ -1,0 +1,186 @@
+"""Launches and their futures over the guest's command channel to its engine.
+
+No background thread reads the channel: whoever waits for a result pumps
+replies until its own arrives (under a lock, so one thread reads at a time).
+That keeps a launch round trip to two socket hops and no thread hand-off.
+Before each message the guest rings the VF's doorbell (an eventfd the host
+gave it), which is how the scheduler learns this VF has work.
+
+When the VF is reset, the mailbox thread calls `fail_all`: every pending
+future gets VFResetError and the channel is shut down, which also wakes a
+thread blocked reading it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import cloudpickle
+
+from gpuvirt.errors import DetachedError, GpuvirtError, KernelError, VFResetError
+from gpuvirt.protocol.command import Copy, Kind, Message, Status
+
+_kernel_ids = itertools.count(1)
+
+
+class Kernel:
+    """A tenant function to run in the VF's engine: fn(xp, *args, **kwargs)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.kid = next(_kernel_ids)
+        self.name = getattr(fn, "__qualname__", repr(fn))
+        self._pickled: bytes | None = None
+
+    def pickled(self) -> bytes:
+        if self._pickled is None:
+            self._pickled = cloudpickle.dumps(self.fn)
+        return self._pickled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<gpuvirt.kernel {self.name}>"
+
+
+def kernel(fn: Any) -> Kernel:
+    """Mark a function as a kernel: `fn(xp, *args, **kwargs)`, xp being numpy or cupy."""
+    return fn if isinstance(fn, Kernel) else Kernel(fn)
+
+
+class LaunchFuture(Future[Any]):
+    def __init__(self, queue: CommandQueue, seq: int, what: str) -> None:
+        super().__init__()
+        self._queue = queue
+        self.seq = seq
+        self.what = what
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._queue.wait(self, timeout)
+        return super().result(timeout=0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._queue.wait(self, timeout)
+        return super().exception(timeout=0)
+
+
+class CommandQueue:
+    def __init__(self, channel: socket.socket, doorbell: int) -> None:
+        self.channel = channel
+        self.doorbell = doorbell
+        self.pending: dict[int, LaunchFuture] = {}
+        self.completed = 0
+        self._defined: set[int] = set()
+        self._seq = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._pump_lock = threading.Lock()
+        self._broken: GpuvirtError | None = None
+
+    def launch(self, k: Kernel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LaunchFuture:
+        payload = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._check()
+            if k.kid not in self._defined:
+                self._send(Message(Kind.DEFINE, kid=k.kid, payload=k.pickled()), ring=False)
+                self._defined.add(k.kid)
+            return self._submit(Message(Kind.LAUNCH, kid=k.kid, payload=payload), k.name)
+
+    def copy(self, kind: Kind, copy: Copy) -> LaunchFuture:
+        with self._send_lock:
+            self._check()
+            return self._submit(Message(kind, payload=copy.encode()), kind.name)
+
+    def _submit(self, msg: Message, what: str) -> LaunchFuture:
+        seq = next(self._seq)
+        fut = LaunchFuture(self, seq, what)
+        self.pending[seq] = fut
+        data = Message(msg.kind, seq=seq, kid=msg.kid, payload=msg.payload).encode()
+        try:
+            self._send(data)
+        except BaseException:
+            self.pending.pop(seq, None)
+            raise
+        return fut
+
+    def _send(self, msg: Message | bytes, ring: bool = True) -> None:
+        data = msg.encode() if isinstance(msg, Message) else msg
+        if ring:
+            os.eventfd_write(self.doorbell, 1)  # before the send: the engine may finish first
+        try:
+            self.channel.send(data)
+        except OSError as e:
+            self._check()
+            raise DetachedError(f"command channel to the engine is gone: {e}") from None
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    def wait(self, fut: LaunchFuture, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fut.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"{fut.what} (launch {fut.seq}) not done after {timeout} s")
+            if not self._pump_lock.acquire(timeout=-1 if left is None else left):
+                continue
+            try:
+                if not fut.done():
+                    self._pump_one(left)
+            finally:
+                self._pump_lock.release()
+
+    def _pump_one(self, timeout: float | None) -> None:
+        self.channel.settimeout(timeout)
+        try:
+            data = self.channel.recv(1 << 20)
+        except TimeoutError:
+            return
+        except OSError as e:
+            data = b""
+            if self._broken is None:
+                self._broken = DetachedError(f"command channel to the engine failed: {e}")
+        if not data:
+            self.fail_all(self._broken or DetachedError("the VF's engine closed the channel"))
+            return
+        msg = Message.decode(data)
+        fut = self.pending.pop(msg.seq, None)
+        if fut is None:
+            return
+        self.completed += 1
+        if msg.flags == Status.OK:
+            fut.set_result(pickle.loads(msg.payload) if msg.payload else None)
+        elif msg.flags == Status.KERNEL_ERROR:
+            fut.set_exception(KernelError(f"{fut.what} raised in the engine:\n{msg.payload.decode()}"))
+        else:
+            fut.set_exception(GpuvirtError(f"{fut.what} refused by the engine: {msg.payload.decode()}"))
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until every launch so far has finished (errors stay on their futures)."""
+        for fut in list(self.pending.values()):
+            fut.exception(timeout)
+
+    def fail_all(self, exc: GpuvirtError) -> None:
+        """Fail every pending launch and close the channel (wakes a blocked reader)."""
+        if self._broken is None or isinstance(exc, VFResetError):
+            self._broken = exc
+        for seq in list(self.pending):
+            fut = self.pending.pop(seq, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+        try:
+            self.channel.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.channel.close()
+        os.close(self.doorbell)

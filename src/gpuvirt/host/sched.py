@@ -1,0 +1,475 @@
+"""World-switch scheduler: time-slices the device between VFs.
+
+Runs in its own thread with the monotonic clock, so mailbox or admin traffic
+on the asyncio loop never delays a switch. The loop talks to it only through
+`Scheduler` methods, which queue an op and ring the scheduler's wake eventfd;
+results come back as concurrent futures.
+
+A switch is IDLE(A) SAVE(A) LOAD(B) RUN(B) (device/base.py checks the order).
+Between switches the thread sleeps in epoll on: its wake fd, every engine's
+exit fd (an engine that dies is noticed at once), the running engine's idle
+fd (it drained its queue: liquid/weighted yield at once) and, for the
+work-conserving policies, the doorbells of the VFs not running (they have
+work now). It never polls an engine for anything but its status words.
+
+Policies (GIM's names):
+  fairness     every enabled VF gets its slice, guest or not, work or not
+  round_robin  VFs with a guest, full slices
+  liquid       VFs with pending work; a VF with nothing pending yields at once
+  weighted     liquid, picking the VF with the least device time per weight
+
+A VF that overran its slice has the excess taken off its next slice, never
+below half a slice.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gpuvirt.device.base import Engine, WSCommand
+from gpuvirt.device.status import Word
+from gpuvirt.errors import DeviceError
+
+
+class Policy(StrEnum):
+    FAIRNESS = "fairness"
+    ROUND_ROBIN = "round_robin"
+    LIQUID = "liquid"
+    WEIGHTED = "weighted"
+
+
+WORK_CONSERVING = frozenset({Policy.LIQUID, Policy.WEIGHTED})
+
+
+@dataclass
+class Entry:
+    vf: int
+    engine: Engine
+    weight: float
+    doorbell: int | None = None  # eventfd the guest rings per submitted command
+    submitted: int = 0
+    device_ns: int = 0
+    vtime: float = 0.0
+    debt_ns: int = 0
+    run_start: int = 0
+    slice_ns: int = 0
+    # device time at ref_mono: maps a wall instant inside the last run to device time
+    ref_mono: int = 0
+    ref_dev: int = 0
+    kernel_seq: int = 0
+    kernel_base: int = 0
+    faulted: bool = False
+    switches_in: int = 0
+    candidate: bool = False
+
+    @property
+    def has_guest(self) -> bool:
+        return self.doorbell is not None
+
+    def pending(self) -> int:
+        return max(0, self.submitted - self.engine.status[Word.COMPLETED])
+
+    def device_now(self, now: int, running: bool) -> int:
+        return self.device_ns + (now - self.run_start if running else 0)
+
+
+@dataclass
+class SchedStats:
+    started_ns: int = field(default_factory=time.monotonic_ns)
+    lost_ns: int = 0  # device time spent inside world switches
+    idle_ns: int = 0  # no VF on the device
+    switches: int = 0
+    latencies_ns: deque[int] = field(default_factory=lambda: deque(maxlen=100_000))
+
+
+FaultHandler = Callable[[int, str, str], None]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: Policy,
+        time_slice_ms: float,
+        cmd_timeout_ms: float,
+        job_timeout_s: float,
+        on_fault: FaultHandler,
+    ) -> None:
+        self.policy = Policy(policy)
+        self.slice_ns = int(time_slice_ms * 1e6)
+        self.cmd_timeout = cmd_timeout_ms / 1000
+        self.job_timeout_ns = int(job_timeout_s * 1e9)
+        self.on_fault = on_fault
+        self.entries: dict[int, Entry] = {}
+        self.current: Entry | None = None
+        self.exclusive: int | None = None
+        self.stats = SchedStats()
+        self._ops: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._sel = selectors.EpollSelector()
+        self._sel.register(self._wake, selectors.EVENT_READ, ("wake", None))
+        self._exclusive_waiters: list[Future[None]] = []
+        self._stopping = False
+        self._repick = True
+        self._idle_since: int | None = time.monotonic_ns()
+        self._thread = threading.Thread(target=self._main, name="gpuvirt-sched", daemon=True)
+
+    # ---- called from other threads ---------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._call(self._op_stop).result(timeout=10)
+        self._thread.join(timeout=10)
+
+    def add(self, vf: int, engine: Engine, weight: float) -> Future[None]:
+        return self._call(self._op_add, vf, engine, weight)
+
+    def remove(self, vf: int) -> Future[None]:
+        """Take a VF off the schedule; done once its engine is idle (or dead)."""
+        return self._call(self._op_remove, vf)
+
+    def set_guest(self, vf: int, doorbell: int | None) -> Future[None]:
+        return self._call(self._op_set_guest, vf, doorbell)
+
+    def set_exclusive(self, vf: int | None) -> Future[None]:
+        """FULLACCESS: run only this VF; done once it runs alone. None ends it."""
+        return self._call(self._op_set_exclusive, vf)
+
+    def set_weight(self, vf: int, weight: float) -> Future[None]:
+        return self._call(self._op_set_weight, vf, weight)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters for status and metrics; reads ints only, safe from any thread."""
+        now = time.monotonic_ns()
+        cur = self.current
+        vfs = {
+            e.vf: {
+                "device_ns": e.device_now(now, e is cur),
+                "switches_in": e.switches_in,
+                "running": e is cur,
+                "weight": e.weight,
+                "pending": e.pending() if e.has_guest else 0,
+            }
+            for e in list(self.entries.values())
+        }
+        return {
+            "policy": str(self.policy),
+            "elapsed_ns": now - self.stats.started_ns,
+            "lost_ns": self.stats.lost_ns,
+            "switches": self.stats.switches,
+            "current": cur.vf if cur else None,
+            "vfs": vfs,
+        }
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._ops.append((fn, args, fut))
+        os.eventfd_write(self._wake, 1)
+        return fut
+
+    # ---- the scheduler thread ----------------------------------------------------------
+
+    def _main(self) -> None:
+        slice_end = 0
+        while not self._stopping:
+            now = time.monotonic_ns()
+            if self.current is not None:
+                self._check_kernel(self.current, now)
+            cur = self.current
+            if self._repick or cur is None or now >= slice_end or self._should_yield(cur):
+                self._repick = False
+                nxt = self._pick()
+                if nxt is not cur:
+                    self._switch(nxt)
+                elif cur is not None:
+                    self._end_slice(cur, time.monotonic_ns())
+                    self._begin_slice(cur, time.monotonic_ns())
+                if self.current is not None:
+                    slice_end = self.current.run_start + self.current.slice_ns
+                self._resolve_exclusive()
+            self._arm_idle_notify()
+            timeout = None
+            if self.current is not None:
+                timeout = max(0.0, (slice_end - time.monotonic_ns()) / 1e9)
+            for key, _ in self._sel.select(timeout):
+                self._event(*key.data)
+            self._run_ops()
+
+    def _event(self, kind: str, entry: Entry | None) -> None:
+        if kind == "wake":
+            _drain(self._wake)
+        elif kind == "idle":
+            assert entry is not None
+            _drain(entry.engine.idle_fd())
+        elif kind == "doorbell":
+            assert entry is not None and entry.doorbell is not None
+            entry.submitted += _drain(entry.doorbell)
+        elif kind == "exit" and entry is not None and not entry.faulted:
+            self._fault(entry, "engine_died", f"engine pid {entry.engine.pid} exited")
+
+    def _run_ops(self) -> None:
+        while self._ops:
+            fn, args, fut = self._ops.popleft()
+            self._repick = True
+            try:
+                result = fn(*args)
+            except Exception as e:  # a bug; hand it to the caller rather than kill the thread
+                fut.set_exception(e)
+            else:
+                if result is not _DEFERRED:
+                    fut.set_result(result)
+                else:
+                    self._exclusive_waiters.append(fut)
+
+    def _candidates(self) -> list[Entry]:
+        if self.exclusive is not None:
+            e = self.entries.get(self.exclusive)
+            return [e] if e is not None and not e.faulted else []
+        live = [e for e in self.entries.values() if not e.faulted]
+        if self.policy is Policy.FAIRNESS:
+            return live
+        with_guest = [e for e in live if e.has_guest]
+        if self.policy is Policy.ROUND_ROBIN:
+            return with_guest
+        for e in with_guest:
+            if e.doorbell is not None and e is not self.current:
+                e.submitted += _drain(e.doorbell)
+        return [e for e in with_guest if e.pending() > 0]
+
+    def _pick(self) -> Entry | None:
+        cands = self._candidates()
+        cur = self.current
+        if not cands:
+            # Work-conserving policies keep an idle VF on the device when nobody else wants
+            # it: its next launch runs without waiting for a switch.
+            if (
+                self.policy in WORK_CONSERVING
+                and cur is not None
+                and not cur.faulted
+                and cur.has_guest
+                and self.exclusive is None
+            ):
+                return cur
+            return None
+        if self.policy is Policy.WEIGHTED:
+            floor = min((e.vtime for e in cands if e.candidate), default=None)
+            for e in self.entries.values():
+                if e in cands and not e.candidate and floor is not None:
+                    e.vtime = max(e.vtime, floor)  # no banking of credit while idle
+                e.candidate = e in cands
+            return min(cands, key=lambda e: (e.vtime, e.vf))
+        order = sorted(cands, key=lambda e: e.vf)
+        if cur is None:
+            return order[0]
+        after = [e for e in order if e.vf > cur.vf]
+        return after[0] if after else order[0]
+
+    def _should_yield(self, cur: Entry) -> bool:
+        if self.policy not in WORK_CONSERVING or self.exclusive is not None:
+            return False
+        if not cur.engine.status[Word.NOTIFY_IDLE]:
+            return False
+        return cur.pending() == 0
+
+    def _arm_idle_notify(self) -> None:
+        """Ask the running engine to signal when it drains, only while someone waits."""
+        cur = self.current
+        if cur is None or self.policy not in WORK_CONSERVING:
+            return
+        others = any(
+            e is not cur and e.has_guest and not e.faulted and e.pending() > 0
+            for e in self.entries.values()
+        )
+        cur.engine.status[Word.NOTIFY_IDLE] = 1 if others else 0
+        if others and cur.pending() == 0:
+            os.eventfd_write(self._wake, 1)  # drained before the flag was up
+
+    def _switch(self, nxt: Entry | None) -> None:
+        t0 = time.monotonic_ns()
+        cur = self.current
+        if cur is not None:
+            self._unwatch_idle(cur)
+            if not cur.faulted or cur.engine.running:
+                try:
+                    cur.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
+                    self._end_slice(cur, t0)
+                    cur.engine.command(WSCommand.SAVE_GPU_STATE, self.cmd_timeout)
+                except DeviceError as e:
+                    self._end_slice(cur, t0)
+                    self._fault(cur, "idle_failed", str(e))
+            self._watch_doorbell(cur)
+            self.current = None
+        elif self._idle_since is not None:
+            self.stats.idle_ns += t0 - self._idle_since
+        if nxt is None:
+            self._idle_since = time.monotonic_ns()
+            return
+        self._idle_since = None
+        try:
+            if nxt.engine.last == WSCommand.SAVE_GPU_STATE:
+                nxt.engine.command(WSCommand.LOAD_GPU_STATE, self.cmd_timeout)
+            nxt.engine.command(WSCommand.RUN_GPU, self.cmd_timeout)
+        except DeviceError as e:
+            self._fault(nxt, "run_failed", str(e))
+            self._idle_since = time.monotonic_ns()
+            return
+        t1 = time.monotonic_ns()
+        if cur is not None:
+            self.stats.latencies_ns.append(t1 - t0)
+            self.stats.switches += 1
+        self.stats.lost_ns += t1 - t0
+        self.current = nxt
+        nxt.switches_in += 1
+        self._unwatch_doorbell(nxt)
+        self._watch_idle(nxt)
+        self._begin_slice(nxt, t1)
+
+    def _begin_slice(self, e: Entry, now: int) -> None:
+        e.run_start = now
+        e.ref_mono, e.ref_dev = now, e.device_ns
+        # GIM's overrun rule: the excess comes off this slice, never below half a slice.
+        e.slice_ns = max(self.slice_ns - e.debt_ns, self.slice_ns // 2)
+        e.debt_ns = 0
+
+    def _end_slice(self, e: Entry, now: int) -> None:
+        ran = max(0, now - e.run_start)
+        e.device_ns += ran
+        e.vtime += ran / e.weight
+        e.debt_ns = max(0, ran - e.slice_ns)
+        self._check_kernel(e, now, running=False)
+
+    def _check_kernel(self, e: Entry, now: int, running: bool = True) -> None:
+        """job_timeout counts a kernel's own device time, not wall time."""
+        if e.faulted:
+            return
+        st = e.engine.status
+        seq = st[Word.CURRENT_SEQ]
+        if seq == 0:
+            e.kernel_seq = 0
+            return
+        if seq != e.kernel_seq:
+            e.kernel_seq = seq
+            e.kernel_base = e.ref_dev + max(0, st[Word.CURRENT_START_NS] - e.ref_mono)
+        own = (e.device_ns + (now - e.run_start if running else 0)) - e.kernel_base
+        if own > self.job_timeout_ns:
+            self._fault(
+                e, "job_timeout",
+                f"kernel {seq} ran {own / 1e9:.2f} s of its own device time "
+                f"(job_timeout {self.job_timeout_ns / 1e9:g} s)",
+            )  # fmt: skip
+
+    def _fault(self, e: Entry, reason: str, detail: str) -> None:
+        """Stop scheduling a VF that hung or died and ask the host to reset it."""
+        e.faulted = True
+        _unregister(self._sel, e.engine.exit_fd())  # level-triggered: would fire forever
+        self._unwatch_doorbell(e)
+        if e is self.current:
+            self._unwatch_idle(e)
+            if e.engine.running and e.engine.alive():
+                try:
+                    e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
+                except DeviceError:
+                    pass
+            self.current = None
+            self._idle_since = time.monotonic_ns()
+        self.on_fault(e.vf, reason, detail)
+
+    def _resolve_exclusive(self) -> None:
+        cur = self.current
+        if self._exclusive_waiters and cur is not None and cur.vf == self.exclusive:
+            for fut in self._exclusive_waiters:
+                fut.set_result(None)
+            self._exclusive_waiters.clear()
+
+    # ---- fd registration ---------------------------------------------------------------
+
+    def _watch_idle(self, e: Entry) -> None:
+        if self.policy in WORK_CONSERVING:
+            self._sel.register(e.engine.idle_fd(), selectors.EVENT_READ, ("idle", e))
+
+    def _unwatch_idle(self, e: Entry) -> None:
+        if self.policy in WORK_CONSERVING:
+            _unregister(self._sel, e.engine.idle_fd())
+            e.engine.status[Word.NOTIFY_IDLE] = 0
+
+    def _watch_doorbell(self, e: Entry) -> None:
+        if self.policy in WORK_CONSERVING and e.doorbell is not None and not e.faulted:
+            self._sel.register(e.doorbell, selectors.EVENT_READ, ("doorbell", e))
+
+    def _unwatch_doorbell(self, e: Entry) -> None:
+        if e.doorbell is not None:
+            _unregister(self._sel, e.doorbell)
+            e.submitted += _drain(e.doorbell)
+
+    # ---- ops (run on the scheduler thread) ---------------------------------------------
+
+    def _op_add(self, vf: int, engine: Engine, weight: float) -> None:
+        live = [e.vtime for e in self.entries.values()]
+        e = Entry(vf, engine, weight, vtime=min(live, default=0.0))
+        self.entries[vf] = e
+        self._sel.register(engine.exit_fd(), selectors.EVENT_READ, ("exit", e))
+
+    def _op_remove(self, vf: int) -> None:
+        e = self.entries.pop(vf, None)
+        if e is None:
+            return
+        if e is self.current:
+            self._switch(None)
+        elif e.engine.running and e.engine.alive():
+            try:
+                e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
+            except DeviceError:
+                pass
+        self._unwatch_doorbell(e)
+        _unregister(self._sel, e.engine.exit_fd())
+        if self.exclusive == vf:
+            self.exclusive = None
+
+    def _op_set_guest(self, vf: int, doorbell: int | None) -> None:
+        e = self.entries[vf]
+        self._unwatch_doorbell(e)
+        e.doorbell = doorbell
+        e.submitted = e.engine.status[Word.COMPLETED]
+        if e is not self.current:
+            self._watch_doorbell(e)
+
+    def _op_set_exclusive(self, vf: int | None) -> object:
+        self.exclusive = vf
+        if vf is None:
+            return None
+        return _DEFERRED
+
+    def _op_set_weight(self, vf: int, weight: float) -> None:
+        self.entries[vf].weight = weight
+
+    def _op_stop(self) -> None:
+        self._stopping = True
+        if self.current is not None:
+            self._switch(None)
+
+
+_DEFERRED = object()
+
+
+def _drain(fd: int) -> int:
+    try:
+        return os.eventfd_read(fd)
+    except BlockingIOError:
+        return 0
+
+
+def _unregister(sel: selectors.BaseSelector, fd: int) -> None:
+    try:
+        sel.unregister(fd)
+    except (KeyError, ValueError):
+        pass
