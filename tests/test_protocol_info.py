@@ -155,7 +155,7 @@ def test_vf2pf_field_offsets() -> None:
     assert block[76:80] == bytes.fromhex("04030201")
     assert block[80:88] == bytes.fromhex("8877665544332211")
     assert struct.unpack_from("<Q", block, 88) == (9,)
-    assert block[96:] == bytes(BLOCK_SIZE - 96)
+    assert block[104:] == bytes(BLOCK_SIZE - 104)
 
 
 # ---------------------------------------------------------------- round trips
@@ -266,7 +266,7 @@ def test_pf2vf_random_fields_with_a_valid_checksum(block: bytes, key: int) -> No
         assert decoded.encode(key) == data
 
 
-@given(block=random_blocks(VF2PF_VERSION, 96), key=u32s)
+@given(block=random_blocks(VF2PF_VERSION, 104), key=u32s)
 def test_vf2pf_random_fields_with_a_valid_checksum(block: bytes, key: int) -> None:
     data = reseal(block, key)
     decoded = decode_or_none(VF2PF.decode, data, key)
@@ -328,7 +328,7 @@ def _patched(block: bytes, offset: int, raw: bytes) -> bytes:
         (PF2VF, SAMPLE_PF2VF, 1023, b"\x01", "padding"),
         (VF2PF, SAMPLE_VF2PF, 0, struct.pack("<I", 2048), "size"),
         (VF2PF, SAMPLE_VF2PF, 4, struct.pack("<I", 2), "version"),
-        (VF2PF, SAMPLE_VF2PF, 96, b"\x01", "padding"),
+        (VF2PF, SAMPLE_VF2PF, 104, b"\x01", "padding"),
         (VF2PF, SAMPLE_VF2PF, 12, b"v" * 64, "NUL"),
         (VF2PF, SAMPLE_VF2PF, 12, b"v\0x", "after the terminating NUL"),
         (VF2PF, SAMPLE_VF2PF, 12, b"\xff\xfe", "utf-8"),

@@ -1,0 +1,65 @@
+"""`gpuvirt bench NAME [--json]`: run a benchmark suite, print a table or JSON."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from gpuvirt.bench import SUITES
+from gpuvirt.bench.common import Result
+from gpuvirt.cli.common import JsonOpt, console, fail, print_json
+from gpuvirt.cli.main import app
+
+
+def run_suite(name: str, quick: bool, backend: str) -> Result:
+    module = importlib.import_module(SUITES[name])
+    return module.run(quick=quick, backend=backend)
+
+
+def result_table(r: Result) -> Table:
+    t = Table(title=f"bench {r.bench} · {r.backend}", header_style="bold")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    t.add_column("unit")
+    for what, value, unit in r.rows:
+        t.add_row(what, f"{value:.3g}" if isinstance(value, float) else str(value), unit)
+    for tg in r.targets:
+        mark = "[green]met[/]" if tg.met else "[red]missed[/]"
+        t.add_row(f"target {tg.name} {tg.op} {tg.limit:g}", f"{tg.value:.3g}", mark)
+    return t
+
+
+@app.command()
+def bench(
+    name: Annotated[str, typer.Argument(help=f"One of: {', '.join(SUITES)}, all")],
+    json: JsonOpt = False,
+    quick: Annotated[bool, typer.Option(help="Shorter runs (for tests and smoke checks).")] = False,
+    backend: Annotated[str, typer.Option(help="emu | cuda")] = "emu",
+    report: Annotated[
+        Path | None, typer.Option(help="With `all`: write report.md and plots here.")
+    ] = None,
+) -> None:
+    """Measure gpuvirt against baselines run side by side; ratios, not absolutes."""
+    names = list(SUITES) if name == "all" else [name]
+    if any(n not in SUITES for n in names):
+        raise fail(f"unknown benchmark {name!r}; one of: {', '.join(SUITES)}, all", 2)
+    results = []
+    for n in names:
+        r = run_suite(n, quick, backend)
+        results.append(r)
+        if json:
+            print_json(r.to_json())
+        else:
+            console.print(result_table(r))
+            for note in r.notes:
+                console.print(f"  note: {note}")
+    if report is not None:
+        from gpuvirt.bench.report import write_report
+
+        path = write_report(results, report)
+        if not json:
+            console.print(f"report: {path}")

@@ -263,6 +263,7 @@ class Gpu:
             pid=os.getpid(),
             fb_used=self.fb_used,
             launches_completed=self.launches_completed,
+            netgpu_rx_bytes=self._netgpu.rx_bytes if self._netgpu is not None else 0,
         ).encode(self._key)
         self._mem[VF2PF_OFFSET : VF2PF_OFFSET + BLOCK_SIZE] = block
 

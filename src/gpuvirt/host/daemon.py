@@ -322,6 +322,7 @@ class Host:
             vf.vf2pf = {
                 "driver_version": info.driver_version, "pid": info.pid,
                 "fb_used": info.fb_used, "launches_completed": info.launches_completed,
+                "netgpu_rx_bytes": info.netgpu_rx_bytes,
                 "read_at": time.time(),
             }  # fmt: skip
 
@@ -377,6 +378,7 @@ class Host:
             "guest_pid": vf.guest_pid,
             "engine_pid": vf.engine.pid if vf.engine else None,
             "launches_completed": vf.vf2pf.get("launches_completed", 0),
+            "netgpu_rx_bytes": vf.vf2pf.get("netgpu_rx_bytes", 0),
             "driver_version": vf.vf2pf.get("driver_version"),
             "flr_count": vf.flr_count,
             "last_flr": vf.last_flr,

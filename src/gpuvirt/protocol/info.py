@@ -54,7 +54,7 @@ FEATURE_NETGPU = 4  # NetGPU receive into this VF's FB is available
 DRIVER_VERSION_FIELD = 64  # bytes, NUL padded; so at most 63 bytes of text
 
 _PF2VF = struct.Struct("<IIIIQII16sI")
-_VF2PF = struct.Struct("<III64sIQQ")
+_VF2PF = struct.Struct("<III64sIQQQ")
 _ZEROS = bytes(BLOCK_SIZE)
 _U32 = 0xFFFFFFFF
 
@@ -134,13 +134,14 @@ class VF2PF:
 
     Layout: size u32 (=1024) @0, version u32 (=3) @4, checksum u32 @8,
     driver_version 64s @12 (utf-8, at most 63 bytes, NUL padded), pid u32 @76,
-    fb_used u64 @80, launches_completed u64 @88, zeros to 1024.
+    fb_used u64 @80, launches_completed u64 @88, netgpu_rx_bytes u64 @96, zeros to 1024.
     """
 
     driver_version: str
     pid: int
     fb_used: int
     launches_completed: int
+    netgpu_rx_bytes: int = 0
 
     def encode(self, key: int) -> bytes:
         head = _VF2PF.pack(
@@ -151,18 +152,20 @@ class VF2PF:
             check_uint("VF2PF pid", self.pid, 32),
             check_uint("VF2PF fb_used", self.fb_used, 64),
             check_uint("VF2PF launches_completed", self.launches_completed, 64),
+            check_uint("VF2PF netgpu_rx_bytes", self.netgpu_rx_bytes, 64),
         )
         return _seal(head, key, "VF2PF")
 
     @classmethod
     def decode(cls, block: bytes, key: int) -> VF2PF:
         raw = _open(block, key, "VF2PF", VF2PF_VERSION, _VF2PF.size)
-        _size, _version, _sum, version_field, pid, fb_used, launches = _VF2PF.unpack_from(raw)
+        _size, _version, _sum, version_field, pid, fb_used, launches, rx = _VF2PF.unpack_from(raw)
         return cls(
             driver_version=_decode_driver_version(version_field),
             pid=pid,
             fb_used=fb_used,
             launches_completed=launches,
+            netgpu_rx_bytes=rx,
         )
 
 
