@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import cloudpickle
 
 from gpuvirt.device.status import MAGIC, StatusArea, Word
-from gpuvirt.protocol.command import BufDesc, Copy, Kind, Message, Status
+from gpuvirt.protocol.command import MAX_MESSAGE, BufDesc, Copy, Kind, Message, Status
 from gpuvirt.protocol.errors import ProtocolError
 
 CTL_GUEST = b"G"
@@ -69,6 +69,10 @@ class EngineLoop:
         self.idle_fd = idle_fd
         self.guest: socket.socket | None = None
         self.kernels: dict[int, Any] = {}
+        # recv(n) allocates n bytes per call; one preallocated buffer avoids a big
+        # malloc/free (an mmap/munmap pair at this size) on every launch.
+        self._rxbuf = bytearray(MAX_MESSAGE)
+        self._rxview = memoryview(self._rxbuf)
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, "ctl")
 
@@ -102,14 +106,14 @@ class EngineLoop:
     def _guest_message(self) -> None:
         assert self.guest is not None
         try:
-            data = self.guest.recv(1 << 20)
+            n = self.guest.recv_into(self._rxbuf)
         except OSError:
-            data = b""
-        if not data:
+            n = 0
+        if not n:
             self._drop_guest()
             return
         try:
-            msg = Message.decode(data)
+            msg = Message.decode(self._rxview[:n])
         except ProtocolError as e:
             self._reply(0, Status.BAD_REQUEST, str(e).encode())
             return

@@ -25,7 +25,7 @@ from typing import Any
 import cloudpickle
 
 from gpuvirt.errors import DetachedError, GpuvirtError, KernelError, VFResetError
-from gpuvirt.protocol.command import Copy, Kind, Message, Status
+from gpuvirt.protocol.command import MAX_MESSAGE, Copy, Kind, Message, Status
 
 _kernel_ids = itertools.count(1)
 
@@ -83,6 +83,8 @@ class CommandQueue:
         self._send_lock = threading.Lock()
         self._pump_lock = threading.Lock()
         self._broken: GpuvirtError | None = None
+        self._timeout: float | None = -1.0
+        self._rxbuf = bytearray(MAX_MESSAGE)  # see device/engine.py: no big alloc per recv
 
     def launch(self, k: Kernel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LaunchFuture:
         payload = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
@@ -102,9 +104,8 @@ class CommandQueue:
         seq = next(self._seq)
         fut = LaunchFuture(self, seq, what)
         self.pending[seq] = fut
-        data = Message(msg.kind, seq=seq, kid=msg.kid, payload=msg.payload).encode()
         try:
-            self._send(data)
+            self._send(Message(msg.kind, seq=seq, kid=msg.kid, payload=msg.payload))
         except BaseException:
             self.pending.pop(seq, None)
             raise
@@ -139,19 +140,21 @@ class CommandQueue:
                 self._pump_lock.release()
 
     def _pump_one(self, timeout: float | None) -> None:
-        self.channel.settimeout(timeout)
+        if timeout != self._timeout:  # each change is a syscall; most waits repeat theirs
+            self.channel.settimeout(timeout)
+            self._timeout = timeout
         try:
-            data = self.channel.recv(1 << 20)
+            n = self.channel.recv_into(self._rxbuf)
         except TimeoutError:
             return
         except OSError as e:
-            data = b""
+            n = 0
             if self._broken is None:
                 self._broken = DetachedError(f"command channel to the engine failed: {e}")
-        if not data:
+        if not n:
             self.fail_all(self._broken or DetachedError("the VF's engine closed the channel"))
             return
-        msg = Message.decode(data)
+        msg = Message.decode(memoryview(self._rxbuf)[:n])
         fut = self.pending.pop(msg.seq, None)
         if fut is None:
             return
