@@ -12,6 +12,9 @@ the engine's last command and the one attempted.
 from __future__ import annotations
 
 import abc
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from enum import IntEnum
@@ -63,6 +66,8 @@ class Engine(abc.ABC):
         self.spec = spec
         self.status = status
         self.last = WSCommand.SHUTDOWN_GPU
+        self.deadline: float | None = None  # set while a command is in flight
+        self.timed_out = False  # the watchdog killed it for overrunning a command
 
     def command(self, cmd: WSCommand, timeout: float) -> float:
         """Run one world-switch command; return its duration in seconds."""
@@ -71,6 +76,7 @@ class Engine(abc.ABC):
                 f"VF{self.spec.vf}: world-switch {cmd.name} is illegal after {self.last.name}"
             )
         t0 = time.monotonic()
+        self.deadline = t0 + timeout
         {
             WSCommand.INIT_GPU: self._do_init,
             WSCommand.RUN_GPU: self._do_run,
@@ -79,6 +85,7 @@ class Engine(abc.ABC):
             WSCommand.LOAD_GPU_STATE: self._do_load,
             WSCommand.SHUTDOWN_GPU: self._do_shutdown,
         }[cmd](timeout)
+        self.deadline = None
         self.last = cmd
         return time.monotonic() - t0
 
@@ -127,6 +134,50 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def _do_shutdown(self, timeout: float) -> None: ...
+
+
+class Watchdog:
+    """Enforces cmd_timeout on commands that wait in a blocking call.
+
+    emu confirms a stop with a blocking waitid (the fastest wakeup there is, and
+    the waiting thread leaves the CPU to the engine it waits for), which cannot
+    time out by itself. The watchdog thread ticks a few times per timeout and
+    SIGKILLs an engine whose command is past its deadline; the blocked waitid
+    then returns and the command fails as a timeout. A hardware watchdog, in
+    software: a periodic check is the mechanism.
+    """
+
+    def __init__(self, tick: float) -> None:
+        self.tick = tick
+        self._engines: dict[int, Engine] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpuvirt-watchdog", daemon=True)
+        self._thread.start()
+
+    def add(self, engine: Engine) -> None:
+        with self._lock:
+            self._engines[id(engine)] = engine
+
+    def discard(self, engine: Engine) -> None:
+        with self._lock:
+            self._engines.pop(id(engine), None)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            now = time.monotonic()
+            with self._lock:
+                late = [e for e in self._engines.values() if e.deadline and e.deadline < now]
+            for e in late:
+                e.timed_out = True
+                try:
+                    os.kill(e.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
 
 
 class Device(abc.ABC):

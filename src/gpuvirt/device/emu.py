@@ -18,12 +18,18 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
-from gpuvirt.device.base import CommandTimeout, Device, Engine, EngineDied, EngineSpec
+from gpuvirt.device.base import (
+    CommandTimeout,
+    Device,
+    Engine,
+    EngineDied,
+    EngineSpec,
+    Watchdog,
+)
 from gpuvirt.device.engine import CTL_EXIT, CTL_GUEST
 from gpuvirt.device.status import StatusArea
 from gpuvirt.errors import DeviceError
@@ -73,7 +79,7 @@ class _Faults:
 
 
 class EmuEngine(Engine):
-    def __init__(self, spec: EngineSpec, fb_fd: int, fault: bool) -> None:
+    def __init__(self, spec: EngineSpec, fb_fd: int, fault: bool, watchdog: Watchdog) -> None:
         status_fd = StatusArea.create(f"gpuvirt-vf{spec.vf}-status")
         super().__init__(spec, StatusArea(status_fd))
         self._ctl, engine_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -84,6 +90,7 @@ class EmuEngine(Engine):
             "--vf", str(spec.vf), "--fb-size", str(spec.fb_size),
             "--fb-fd", str(fb_fd), "--status-fd", str(status_fd),
             "--ctl-fd", str(engine_ctl.fileno()), "--idle-fd", str(self._idle),
+            "--host-pid", str(os.getpid()),
         ]  # fmt: skip
         if fault:
             cmd.append("--fault-exit")
@@ -98,6 +105,8 @@ class EmuEngine(Engine):
         os.close(status_fd)
         self._pidfd = os.pidfd_open(self._popen.pid)
         self._reaped = False
+        self._watchdog = watchdog
+        watchdog.add(self)
 
     @property
     def pid(self) -> int:
@@ -119,30 +128,28 @@ class EmuEngine(Engine):
         send_fd(self._ctl, CTL_GUEST, channel_fd)
 
     def _wait_stopped(self, timeout: float) -> None:
-        """Wait for the stop the last SIGSTOP asked for; an exit means the engine died."""
-        deadline = time.monotonic() + timeout
-        spins = 0
+        """Block until the stop the last SIGSTOP asked for (or a fresh engine's own) lands.
+
+        The deadline is the watchdog's business (device/base.py): it kills an engine
+        that overruns, and the exit ends this wait.
+        """
         while True:
-            info = os.waitid(
-                os.P_PID, self.pid, os.WSTOPPED | os.WEXITED | os.WNOHANG | os.WNOWAIT
+            try:
+                info = os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                info = None
+            if info is not None and info.si_code == os.CLD_STOPPED:
+                os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WNOHANG)  # consume it
+                return
+            if info is None or info.si_code in (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED):
+                break
+            # CLD_CONTINUED and the like: not what we wait for
+        if self.timed_out:
+            raise CommandTimeout(
+                f"VF{self.spec.vf}: engine pid {self.pid} did not stop within "
+                f"{timeout * 1000:.0f} ms"
             )
-            if info is not None:
-                if info.si_code == os.CLD_STOPPED:
-                    os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WNOHANG)  # consume it
-                    return
-                raise EngineDied(f"VF{self.spec.vf}: engine pid {self.pid} exited")
-            if time.monotonic() > deadline:
-                raise CommandTimeout(
-                    f"VF{self.spec.vf}: engine pid {self.pid} did not stop within "
-                    f"{timeout * 1000:.0f} ms"
-                )
-            # A stop is not pollable; yield first (it usually lands within microseconds),
-            # then back off so a slow stop does not burn the other core.
-            spins += 1
-            if spins < 200:
-                os.sched_yield()
-            else:
-                time.sleep(0.0002)
+        raise EngineDied(f"VF{self.spec.vf}: engine pid {self.pid} exited")
 
     def _do_init(self, timeout: float) -> None:
         self._wait_stopped(timeout)
@@ -177,6 +184,7 @@ class EmuEngine(Engine):
         _pid, status = os.waitpid(self.pid, 0)
         self._popen.returncode = os.waitstatus_to_exitcode(status)
         self._reaped = True
+        self._watchdog.discard(self)
         for fd in (self._pidfd, self._idle):
             os.close(fd)
         self._ctl.close()
@@ -186,9 +194,10 @@ class EmuEngine(Engine):
 class EmuDevice(Device):
     backend = "emu"
 
-    def __init__(self) -> None:
+    def __init__(self, watchdog_tick: float = 0.05) -> None:
         self._fbs: dict[int, tuple[int, int]] = {}  # vf -> (fd, size)
         self._faults = _Faults(os.environ.get(FAULT_ENV, ""))
+        self._watchdog = Watchdog(watchdog_tick)
 
     def total_fb(self) -> int | None:
         return None
@@ -210,7 +219,8 @@ class EmuDevice(Device):
         return os.fstat(self._fbs[vf][0]).st_blocks * 512
 
     def new_engine(self, spec: EngineSpec) -> Engine:
-        return EmuEngine(spec, self._fbs[spec.vf][0], self._faults.should_fail(spec.vf))
+        fault = self._faults.should_fail(spec.vf)
+        return EmuEngine(spec, self._fbs[spec.vf][0], fault, self._watchdog)
 
     def guest_fds(self, vf: int) -> list[int]:
         return [self._fbs[vf][0]]
@@ -223,6 +233,7 @@ class EmuDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
+        self._watchdog.stop()
         for vf in list(self._fbs):
             self.destroy_fb(vf)
 

@@ -1,10 +1,21 @@
 """The engine process: executes one VF's kernels on its FB.
 
 Started by the device backend as `python -m gpuvirt.device.engine`, with its
-descriptors inherited. It maps the FB, marks itself ready in the status area
-and stops itself (SIGSTOP): that stop is how the host sees INIT_GPU complete.
-From then on the host runs and idles it with the world-switch commands; the
-engine never knows whether it is scheduled, it just gets CPU or it does not.
+descriptors inherited. Two ways to world-switch, chosen by `--switch`:
+
+- `stop` (emu): the engine maps the FB, marks itself ready in the status area
+  and stops itself (SIGSTOP): that stop is how the host sees INIT_GPU
+  complete. From then on the host runs and idles it with SIGCONT/SIGSTOP; the
+  engine never knows whether it is scheduled, it just gets CPU or it does not.
+- `coop` (cuda, where a process cannot be stopped mid-kernel): the host
+  writes CMD_CODE and CMD_SERIAL in the status area and wakes the engine on
+  the control socket (CTL_WAKE); between kernels the engine follows the
+  command (IDLE: drain the stream, stop taking guest work; RUN: take it
+  again), stores ACK_SERIAL and answers CTL_ACK on the control socket. A
+  fresh engine finds INIT_GPU with serial 1 already there and acknowledges it
+  once its executor is up (on cuda: context, FB allocated and zeroed). An
+  engine stuck in a kernel cannot acknowledge: the host's wait times out, and
+  that is the hang.
 
 Work arrives from the guest on the command channel (see protocol/command.py)
 and from the host on the control socket: a new guest's channel (with the fd
@@ -15,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import contextlib
 import os
 import pickle
 import selectors
@@ -27,6 +39,7 @@ from typing import Any, Protocol
 
 import cloudpickle
 
+from gpuvirt.device.base import WSCommand
 from gpuvirt.device.status import MAGIC, StatusArea, Word
 from gpuvirt.protocol.command import MAX_MESSAGE, BufDesc, Copy, Kind, Message, Status
 from gpuvirt.protocol.errors import ProtocolError
@@ -34,6 +47,9 @@ from gpuvirt.protocol.errors import ProtocolError
 CTL_GUEST = b"G"
 CTL_EXIT = b"X"
 CTL_WAKE = b"W"
+# engine -> host, cooperative engines only
+CTL_ACK = b"A"  # ACK_SERIAL has moved
+CTL_FAIL = b"F"  # followed by utf-8 text: the engine could not start and is exiting
 
 
 class Executor(Protocol):
@@ -75,6 +91,9 @@ class EngineLoop:
         self._rxview = memoryview(self._rxbuf)
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, "ctl")
+        # Device arrays in a kernel's result must travel as host arrays: the guest has no
+        # device library to unpickle them with. Executors without device memory have none.
+        self._to_host = getattr(executor, "to_host", None)
 
     def serve(self) -> None:
         while True:
@@ -143,14 +162,19 @@ class EngineLoop:
             st[Word.CURRENT_SEQ] = msg.seq
             try:
                 args, kwargs = pickle.loads(msg.payload)
-                result = fn(self.executor.xp, *self._views(args), **dict(zip(kwargs, self._views(kwargs.values()), strict=True)))
+                result = fn(
+                    self.executor.xp,
+                    *self._views(args),
+                    **dict(zip(kwargs, self._views(kwargs.values()), strict=True)),
+                )
                 self.executor.synchronize()
+                if self._to_host is not None:
+                    result = self._to_host(result)
                 payload = pickle.dumps(result) if result is not None else b""
             except Exception:
                 status, payload = Status.KERNEL_ERROR, traceback.format_exc().encode()
                 st.bump(Word.FAILED)
             st[Word.CURRENT_SEQ] = 0
-        st.bump(Word.COMPLETED)
         self._reply(msg.seq, status, payload)
 
     def _views(self, values: Any) -> list[Any]:
@@ -168,14 +192,15 @@ class EngineLoop:
             status, payload = Status.OK, b""
         except Exception as e:
             status, payload = Status.BAD_REQUEST, str(e).encode()
-        self.status.bump(Word.COMPLETED)
         self._reply(msg.seq, status, payload)
 
     def _reply(self, seq: int, status: Status, payload: bytes) -> None:
         if self.guest is None:
             return
         try:
-            self.guest.send(Message(Kind.DONE, seq=seq, flags=status, payload=payload[:150_000]).encode())
+            self.guest.send(
+                Message(Kind.DONE, seq=seq, flags=status, payload=payload[:150_000]).encode()
+            )
         except OSError:
             self._drop_guest()
             return
@@ -184,6 +209,88 @@ class EngineLoop:
 
     def _more_queued(self) -> bool:
         return self.guest is not None and bool(select_readable(self.guest))
+
+
+class CoopEngineLoop(EngineLoop):
+    """An engine that world-switches by agreement, at kernel boundaries.
+
+    Guest messages are read only while the host has it running; while idled its
+    guest socket is not even watched, so queued launches wait in the socket.
+    Control messages are always read, and before guest work, so an IDLE that
+    arrives together with a launch wins.
+    """
+
+    def __init__(
+        self, executor: Executor, status: StatusArea, ctl: socket.socket, idle_fd: int
+    ) -> None:
+        super().__init__(executor, status, ctl, idle_fd)
+        self.running = False
+
+    def serve(self) -> None:
+        while True:
+            ready = self.sel.select()
+            if any(key.data == "ctl" for key, _ in ready):
+                if not self._control():
+                    return
+                continue  # the command may have idled us or replaced the guest: look again
+            if self.running and self.guest is not None:
+                self._guest_message()
+
+    def _control(self) -> bool:
+        msg, fd = recv_fd(self.ctl)
+        if not msg or msg == CTL_EXIT:
+            return False
+        if msg == CTL_GUEST and fd is not None:
+            self._drop_guest()
+            self.guest = socket.socket(fileno=fd)
+            if self.running:
+                self.sel.register(self.guest, selectors.EVENT_READ, "guest")
+            self.status.bump(Word.GUEST_EPOCH)
+        elif msg == CTL_WAKE:
+            self.follow()
+        return True
+
+    def follow(self) -> None:
+        """Carry out the host's latest command and acknowledge it.
+
+        Only the latest command counts: if the host issued several before we looked,
+        the earlier ones are superseded, and acknowledging the latest serial covers them.
+        """
+        st = self.status
+        serial = st[Word.CMD_SERIAL]
+        if serial <= st[Word.ACK_SERIAL]:
+            return  # a wake for a command already acknowledged
+        code = st[Word.CMD_CODE]
+        if code == WSCommand.IDLE_GPU:
+            # Launches synchronize already; this drains anything else queued (copies).
+            self.executor.synchronize()
+            self._set_running(False)
+        elif code == WSCommand.RUN_GPU:
+            self._set_running(True)
+        st[Word.ACK_SERIAL] = serial
+        # Full only if the host left acks unread; ACK_SERIAL is the record it checks.
+        with contextlib.suppress(BlockingIOError):
+            self.ctl.send(CTL_ACK, socket.MSG_DONTWAIT)
+
+    def _set_running(self, running: bool) -> None:
+        if running == self.running:
+            return
+        self.running = running
+        if self.guest is None:
+            return
+        if running:
+            self.sel.register(self.guest, selectors.EVENT_READ, "guest")
+        else:
+            self.sel.unregister(self.guest)
+
+    def _drop_guest(self) -> None:
+        if self.guest is not None and not self.running:
+            # Not watched while idle; the base class would unregister it.
+            self.guest.close()
+            self.guest = None
+            self.kernels.clear()
+            return
+        super()._drop_guest()
 
 
 def select_readable(sock: socket.socket) -> bool:
@@ -197,21 +304,45 @@ class _LoadFailure:
         self.text = text
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_host(host_pid: int) -> None:
+    """An engine never outlives its host, even while stopped: the kernel SIGKILLs it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != host_pid:  # the host died before the line above
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="gpuvirt-engine")
     p.add_argument("--backend", choices=["emu", "cuda"], required=True)
+    p.add_argument(
+        "--switch", choices=["stop", "coop"], default=None,
+        help="world switch: stop = SIGSTOP/SIGCONT (emu default), coop = acknowledged "
+        "commands at kernel boundaries (cuda default)",
+    )  # fmt: skip
     p.add_argument("--vf", type=int, required=True)
     p.add_argument("--fb-size", type=int, required=True)
-    p.add_argument("--fb-fd", type=int, required=True)
+    p.add_argument("--fb-fd", type=int, required=True, help="emu: the FB; cuda: the aperture")
     p.add_argument("--status-fd", type=int, required=True)
     p.add_argument("--ctl-fd", type=int, required=True)
     p.add_argument("--idle-fd", type=int, required=True)
     p.add_argument("--fault-exit", action="store_true", help="test fault: die during start")
+    p.add_argument("--host-pid", type=int, required=True)
     a = p.parse_args(argv)
+    _die_with_host(a.host_pid)
     # The host's terminal signals are the host's business; it tells us when to exit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if a.fault_exit:
         sys.exit(3)
+    switch = a.switch or ("stop" if a.backend == "emu" else "coop")
+    if switch == "coop":
+        _main_coop(a)
+        return
     status = StatusArea(a.status_fd)
     executor: Executor
     if a.backend == "emu":
@@ -228,6 +359,35 @@ def main(argv: list[str] | None = None) -> None:
     ctl = socket.socket(fileno=a.ctl_fd)
     loop = EngineLoop(executor, status, ctl, a.idle_fd)
     os.kill(os.getpid(), signal.SIGSTOP)  # INIT_GPU done: the host sees this stop
+    loop.serve()
+
+
+def _main_coop(a: argparse.Namespace) -> None:
+    status = StatusArea(a.status_fd)
+    ctl = socket.socket(fileno=a.ctl_fd)
+    status[Word.PID] = os.getpid()
+    status[Word.MAGIC] = MAGIC
+    executor: Executor
+    try:
+        if a.backend == "emu":
+            from gpuvirt.device.emu import EmuExecutor
+
+            executor = EmuExecutor(a.fb_fd, a.fb_size)
+        else:
+            from gpuvirt.device.cuda import CudaExecutor
+
+            executor = CudaExecutor(a.fb_fd, a.fb_size, a.vf)
+    except Exception as e:
+        # Say why on the control socket: the host turns it into the engine-start error
+        # an operator reads, instead of a bare "engine exited".
+        why = f"{type(e).__name__}: {e}".encode(errors="replace")[:4000]
+        with contextlib.suppress(OSError):
+            ctl.send(CTL_FAIL + why)
+        traceback.print_exc()
+        sys.exit(4)
+    status[Word.READY] = 1
+    loop = CoopEngineLoop(executor, status, ctl, a.idle_fd)
+    loop.follow()  # acknowledges the INIT_GPU the host left in the status area
     loop.serve()
 
 

@@ -96,6 +96,7 @@ class Gpu:
         self.info: PF2VF | None = None
         self._replies: queue_mod.Queue[tuple[Frame, list[int]]] = queue_mod.Queue()
         self._send_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # the mailbox thread and the caller both tear down
         self._ready = threading.Event()  # set while the VF is usable
         self._reset_done = threading.Event()
         self._reset_error: GpuvirtError | None = None
@@ -275,19 +276,20 @@ class Gpu:
 
     def _drop_vf(self, exc: GpuvirtError) -> None:
         """Forget the VF's resources: pending work fails with exc, buffers go stale."""
-        self._ready.clear()
-        self.generation += 1
-        if self._queue is not None:
-            self._queue.fail_all(exc)
-            self._queue.close()
-            self._queue = None
-        if self._fb is not None:
-            self._fb.close()
-            self._fb = None
-        if self._mem is not None:
+        with self._state_lock:
+            self._ready.clear()
+            self.generation += 1
+            queue, self._queue = self._queue, None
+            fb, self._fb = self._fb, None
+            mem, self._mem = self._mem, None
+        if queue is not None:
+            queue.fail_all(exc)
+            queue.close()
+        if fb is not None:
+            fb.close()
+        if mem is not None:
             with contextlib.suppress(BufferError):
-                self._mem.close()
-            self._mem = None
+                mem.close()
 
     def _mailbox(self) -> None:
         while not self._stop.is_set():

@@ -2,6 +2,7 @@
 
     GET  /status                 the device and every VF (JSON)
     GET  /vf/N                   one VF (JSON)
+    GET  /sched?latencies=1      scheduler counters (and every world-switch latency, ns)
     POST /vf/N/ACTION            enable | disable | reset | clear-fb | clear-guard
     GET  /events?after=&vf=&wait= events newer than `after` (long-poll up to `wait` s)
     GET  /metrics                Prometheus text format
@@ -101,6 +102,11 @@ class AdminServer:
         host = self.host
         if method == "GET" and parts == ["status"]:
             return host.status()
+        if method == "GET" and parts == ["sched"]:
+            snap = host.sched.snapshot()
+            if query.get("latencies"):
+                snap["latencies_ns"] = list(host.sched.stats.latencies_ns)
+            return snap
         if method == "GET" and parts == ["events"]:
             after = _int(query, "after", 0)
             vf = _int(query, "vf", None)

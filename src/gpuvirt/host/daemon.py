@@ -15,6 +15,7 @@ import mmap
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from collections import deque
@@ -36,6 +37,7 @@ from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import PF2VF, PF2VF_OFFSET, RESERVED_SIZE, VF2PF, VF2PF_OFFSET, BLOCK_SIZE
 
 S = VFState
+SWITCH_INTERVAL_S = 0.0002
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SHARE_WINDOW = 5  # samples (1 s apart) behind the achieved share
 
@@ -66,6 +68,9 @@ class Host:
         self._info: dict[int, mmap.mmap] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._grants: dict[int, int] = {}
+        # GIM grants full access to one VF at a time; the others queue here.
+        self._fullaccess = asyncio.Lock()
+        self._fullaccess_vf: int | None = None
         self._servers: list[socket.socket] = []
         self._stop = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -76,6 +81,8 @@ class Host:
         from gpuvirt.host.admin import AdminServer
 
         self.loop = asyncio.get_running_loop()
+        # The scheduler thread needs the GIL promptly when it wakes for a switch.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.sched.start()
         self.events.emit(
             Category.HOST, "start",
@@ -88,8 +95,10 @@ class Host:
         await self.admin.start()
         self.spawn(self._sample_shares())
         self.events.emit(
-            Category.HOST, "ready", f"mailbox {self.socket_path}, admin {self.admin.where}", None
-        )
+            Category.HOST, "ready",
+            f"mailbox {self.socket_path}, admin {self.admin.where}, scheduler thread at "
+            f"{self.sched.priority}", None,
+        )  # fmt: skip
 
     def _listen_mailbox(self) -> socket.socket:
         path = self.socket_path
@@ -215,7 +224,14 @@ class Host:
             self.device.destroy_fb(vf.index)
             self.vfm.transition(vf, S.UNAVAIL, "disabled")
 
-    async def grant_fullaccess(self, vf: VF) -> None:
+    async def grant_fullaccess(self, vf: VF) -> bool:
+        """FULLACCESS: the device to this VF alone. False if the VF changed while queued."""
+        conn = vf.conn
+        await self._fullaccess.acquire()
+        if vf.state != S.AVAIL or vf.conn is not conn or conn is None:
+            self._fullaccess.release()
+            return False
+        self._fullaccess_vf = vf.index
         self.vfm.transition(vf, S.FULLACCESS, "guest init")
         grant = self._grants[vf.index] = self._grants.get(vf.index, 0) + 1
         assert self.loop is not None
@@ -223,7 +239,16 @@ class Host:
             self.config.scheduler.fullaccess_timeout_ms / 1000,
             lambda: self._fullaccess_expired(vf, grant),
         )
-        await asyncio.wrap_future(self.sched.set_exclusive(vf.index))
+        try:
+            await asyncio.wrap_future(self.sched.set_exclusive(vf.index))
+        except DeviceError:
+            return False  # reset while waiting; the reset released full access
+        return True
+
+    def release_fullaccess(self, vf: VF) -> None:
+        if self._fullaccess_vf == vf.index:
+            self._fullaccess_vf = None
+            self._fullaccess.release()
 
     def _fullaccess_expired(self, vf: VF, grant: int) -> None:
         if vf.state == S.FULLACCESS and self._grants.get(vf.index) == grant:
@@ -234,6 +259,7 @@ class Host:
         self._grants[vf.index] = self._grants.get(vf.index, 0) + 1
         await asyncio.wrap_future(self.sched.set_guest(vf.index, doorbell))
         await asyncio.wrap_future(self.sched.set_exclusive(None))
+        self.release_fullaccess(vf)
         vf.vf2pf_bad, vf.untrusted = 0, False
         self.spawn(self._read_vf2pf(vf, vf.conn))
 
@@ -343,6 +369,14 @@ class Host:
             before = a["vfs"].get(vf, {"device_ns": now["device_ns"]})["device_ns"]
             out[vf] = max(0.0, (now["device_ns"] - before) / span) if span else 0.0
         return out
+
+    def device_times(self) -> dict[str, Any]:
+        """Every VF's device time now (ns); reset events carry it so shares can be cut at them."""
+        snap = self.sched.snapshot()
+        return {
+            "elapsed_ns": snap["elapsed_ns"],
+            "vfs": {str(vf): s["device_ns"] for vf, s in snap["vfs"].items()},
+        }
 
     def configured_shares(self) -> dict[int, float]:
         policy = self.sched.policy

@@ -212,7 +212,9 @@ class Session:
             vf.checksum_key = secrets.randbits(32) or 1
         cmd_guest, cmd_engine = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            await host.grant_fullaccess(vf)
+            if not await host.grant_fullaccess(vf):
+                self.send(Frame(HostMsg.FAIL, FailReason.BAD_STATE, 0, GuestMsg.REQ_GPU_INIT_ACCESS))
+                return
             assert vf.engine is not None
             vf.engine.attach_guest(cmd_engine.fileno())
             self._close_doorbell()

@@ -71,18 +71,21 @@ class Resetter:
         cfg = host.config.reset
         self.guard = Guard(cfg.guard_count, cfg.guard_window_s)
         self.ready_wait = cfg.ready_to_reset_wait_ms / 1000
-        self._lock = asyncio.Lock()  # one reset at a time: a device reset needs every VF
+        self._lock = host.lifecycle  # one lifecycle change at a time; a device reset needs all
 
     async def flr(self, vf: VF, reason: str, detail: str = "") -> None:
         if vf.state in (S.RESETTING, S.UNAVAIL, S.FAILED, S.QUARANTINED):
             return  # already being handled, or nothing to reset
         host = self.host
-        host.vfm.transition(vf, S.RESETTING, f"FLR: {reason}")
         async with self._lock:
+            if vf.state in (S.RESETTING, S.UNAVAIL, S.FAILED, S.QUARANTINED):
+                return  # handled while this request waited
+            host.vfm.transition(vf, S.RESETTING, f"FLR: {reason}")
+            host.release_fullaccess(vf)
             steps = Steps(host, vf, "flr")
             host.events.emit(
                 Category.RESET, "flr.start", f"FLR of VF{vf.index}: {reason} {detail}".strip(),
-                vf.index, reason=reason, detail=detail,
+                vf.index, reason=reason, detail=detail, device_ns=host.device_times(),
             )  # fmt: skip
             await host.off_schedule(vf)
             steps.done("off_schedule")
@@ -117,6 +120,7 @@ class Resetter:
             host.events.emit(
                 Category.RESET, "flr.done", f"FLR of VF{vf.index} done in {steps.total_ms:.1f} ms",
                 vf.index, total_ms=round(steps.total_ms, 3), steps=steps.durations, reason=reason,
+                device_ns=host.device_times(),
             )  # fmt: skip
 
     async def device_reset(self, reason: str) -> None:
@@ -131,6 +135,7 @@ class Resetter:
         for vf in vfs:
             if vf.state != S.RESETTING:
                 host.vfm.transition(vf, S.RESETTING, "device reset")
+                host.release_fullaccess(vf)
             await host.off_schedule(vf)
         await asyncio.gather(*(self._notify(vf) for vf in vfs))
         steps.done("notify")

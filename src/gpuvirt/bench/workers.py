@@ -1,0 +1,142 @@
+"""Guest processes for benchmarks and tests: real tenants doing real work.
+
+Each worker is a top-level function run in its own process (spawn), attaches
+to one VF and reports through a multiprocessing Connection that only it and
+its parent share (never the host: the host shares nothing with guests but the
+mailbox).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+def spin(xp: Any, seconds: float) -> int:
+    """A kernel that keeps the device busy for `seconds` of wall time; returns its work done."""
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+    return n
+
+
+def hang(xp: Any) -> None:
+    """A kernel that never ends."""
+    while True:
+        pass
+
+
+def record(xp: Any, out: Any, n: int) -> None:
+    """Write the monotonic time of n consecutive moments of execution into `out`."""
+    for i in range(n):
+        out[i] = time.monotonic_ns()
+
+
+@dataclass
+class WorkerReport:
+    vf: int
+    work: int  # iterations of `spin` completed
+    launches: int
+    resets: int
+    errors: list[str]
+
+
+def busy_guest(
+    conn: Connection, socket: str, vf: int, token: str, kernel_s: float, go_after: float = 0.0
+) -> None:
+    """Launch `spin` kernels back to back until the parent sends anything."""
+    import gpuvirt
+
+    errors: list[str] = []
+    work = launches = 0
+    with gpuvirt.attach(vf=vf, socket=socket, token=token) as gpu:
+        k = gpuvirt.kernel(spin)
+        gpu.launch(k, 0.0).result(timeout=30)
+        conn.send("ready")
+        while not conn.poll():
+            try:
+                work += gpu.launch(k, kernel_s).result(timeout=60)
+                launches += 1
+            except gpuvirt.GpuvirtError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                gpu.wait_ready(30)
+        conn.recv()
+        conn.send(WorkerReport(vf, work, launches, gpu.resets, errors))
+
+
+def hang_guest(conn: Connection, socket: str, vf: int, token: str) -> None:
+    """Launch a kernel that never ends; report the reset and the re-initialization."""
+    import gpuvirt
+
+    done: dict[str, Any] = {}
+    gpu = gpuvirt.attach(
+        vf=vf, socket=socket, token=token,
+        on_reset=lambda g: done.setdefault("reinit_at", time.monotonic()),
+    )  # fmt: skip
+    k = gpuvirt.kernel(spin)
+    gpu.launch(k, 0.0).result(timeout=30)
+    conn.send("ready")
+    conn.recv()
+    fut = gpu.launch(hang)
+    t0 = time.monotonic()
+    try:
+        fut.result(timeout=120)
+        outcome = "completed?!"
+    except gpuvirt.VFResetError as e:
+        outcome = f"VFResetError: {e}"
+    t_err = time.monotonic()
+    gpu.wait_ready(30)
+    after = gpu.launch(k, 0.01).result(timeout=30)
+    conn.send({
+        "outcome": outcome, "error_after_s": t_err - t0,
+        "reinit_after_s": done.get("reinit_at", time.monotonic()) - t0,
+        "works_after_reset": after > 0, "resets": gpu.resets,
+    })  # fmt: skip
+    gpu.close()
+
+
+class Workers:
+    """Start worker processes, wait until all are ready, stop them and collect reports."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[tuple[Any, Connection]] = []
+
+    def start(self, target: Any, *args: Any) -> Connection:
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(target=target, args=(child, *args), daemon=True)
+        p.start()
+        child.close()
+        self.procs.append((p, parent))
+        return parent
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        for p, conn in self.procs:
+            if not conn.poll(timeout):
+                raise TimeoutError(f"worker pid {p.pid} not ready within {timeout} s")
+            assert conn.recv() == "ready"
+
+    def stop(self, timeout: float = 60) -> list[Any]:
+        out = []
+        for _, conn in self.procs:
+            conn.send("stop")
+        for p, conn in self.procs:
+            out.append(conn.recv() if conn.poll(timeout) else None)
+            p.join(timeout)
+        return out
+
+    def kill(self) -> None:
+        for p, _ in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

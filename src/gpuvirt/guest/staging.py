@@ -1,0 +1,285 @@
+"""FB access through a staging area, for backends whose FB the guest cannot map (cuda).
+
+The guest maps its VF's aperture: the reserved head (info blocks) and after it
+a staging area that the engine has pinned. A write copies the data into
+staging and asks the engine for COPY_IN (staging → FB, a DMA on the engine's
+stream); a read asks for COPY_OUT and copies out of staging. Large transfers
+go in chunks through two halves of a window, so the guest's memcpy of one
+chunk overlaps the engine's DMA of the other.
+
+The staging area is shared with NetGPU's receive path, so it is handed out by
+a small allocator: StagedFB takes its window once, NetGPU takes its chunks.
+`Copy.staging_offset` is an offset in the aperture, as the engine expects.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gpuvirt.errors import GpuvirtError, OutOfMemoryError
+from gpuvirt.guest.memory import Allocator
+from gpuvirt.protocol.command import Copy, Kind
+from gpuvirt.protocol.info import RESERVED_SIZE
+
+if TYPE_CHECKING:
+    from gpuvirt.guest.queue import CommandQueue, LaunchFuture
+
+# Biggest piece one COPY_IN/COPY_OUT moves. Big enough that the per-message round
+# trip (tens of µs) is small beside the copy, small enough to pipeline a few MiB.
+MAX_CHUNK = 2 << 20
+PAGE = 4096
+
+
+class StagingArea:
+    """The part of the aperture the engine can DMA from and to, handed out in pieces."""
+
+    def __init__(self, mem: Any, start: int, size: int) -> None:
+        if size <= 0:
+            raise GpuvirtError(f"staging area of {size} bytes at aperture offset {start}: empty")
+        self.start = start
+        self.size = size
+        self.array = np.frombuffer(mem, dtype=np.uint8, count=size, offset=start)
+        self._alloc = Allocator(start, start + size)
+
+    @classmethod
+    def of_aperture(cls, mem: Any) -> StagingArea:
+        """The cuda layout: everything after the reserved head."""
+        return cls(mem, RESERVED_SIZE, len(mem) - RESERVED_SIZE)
+
+    def alloc(self, nbytes: int) -> int:
+        """A piece of staging; returns its aperture offset."""
+        try:
+            return self._alloc.alloc(nbytes)
+        except OutOfMemoryError:
+            raise OutOfMemoryError(
+                f"staging area full: {nbytes} bytes requested, {self._alloc.free_bytes} of "
+                f"{self.size} free; release NetGPU pools you no longer use"
+            ) from None
+
+    def free(self, offset: int) -> None:
+        self._alloc.free(offset)
+
+    @property
+    def free_bytes(self) -> int:
+        return self._alloc.free_bytes
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """Staging memory at aperture offset `offset` as uint8."""
+        i = offset - self.start
+        return self.array[i : i + nbytes]
+
+    def close(self) -> None:
+        # Drop our export of the aperture mapping so the client can close it.
+        del self.array
+
+
+class StagedFB:
+    """FB access through staging copies: the same interface as memory.MappedFB."""
+
+    def __init__(
+        self, staging: StagingArea, queue: CommandQueue, size: int, chunk: int | None = None
+    ) -> None:
+        if chunk is None:
+            # Two halves of a window that leaves most of staging to NetGPU.
+            chunk = min(MAX_CHUNK, staging.size // 4 // PAGE * PAGE)
+        if chunk <= 0:
+            raise GpuvirtError(f"staging area of {staging.size} bytes is too small to copy through")
+        self.staging = staging
+        self.queue = queue
+        self.size = size
+        self.chunk = chunk
+        window = staging.alloc(2 * chunk)
+        self._slots = (window, window + chunk)
+        self._lock = threading.Lock()  # one transfer at a time owns the window
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        n = int(data.size)
+        with self._lock:
+            inflight: list[LaunchFuture | None] = [None, None]
+            try:
+                pos = 0
+                i = 0
+                while pos < n:
+                    slot = i & 1
+                    # The copy that last used this half must be done before we refill it.
+                    _settle(inflight, slot)
+                    k = min(self.chunk, n - pos)
+                    soff = self._slots[slot]
+                    self.staging.view(soff, k)[:] = data[pos : pos + k]
+                    inflight[slot] = self.queue.copy(Kind.COPY_IN, Copy(offset + pos, soff, k))
+                    pos += k
+                    i += 1
+            finally:
+                _settle_all(inflight)
+
+    def read(self, offset: int, out: np.ndarray) -> None:
+        n = int(out.size)
+        with self._lock:
+            # (future, slot, position in out, length), oldest first; at most two.
+            inflight: list[tuple[LaunchFuture, int, int, int]] = []
+            try:
+                pos = 0
+                i = 0
+                while pos < n or inflight:
+                    while pos < n and len(inflight) < 2:
+                        slot = i & 1
+                        k = min(self.chunk, n - pos)
+                        fut = self.queue.copy(
+                            Kind.COPY_OUT, Copy(offset + pos, self._slots[slot], k)
+                        )
+                        inflight.append((fut, slot, pos, k))
+                        pos += k
+                        i += 1
+                    fut, slot, at, k = inflight[0]
+                    fut.result()
+                    inflight.pop(0)
+                    out[at : at + k] = self.staging.view(self._slots[slot], k)
+            finally:
+                # On an error, wait out the other copy: it still writes into our window.
+                for fut, *_ in inflight:
+                    if not fut.done():
+                        fut.exception()
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        raise GpuvirtError(
+            "Buffer.view() needs a FB mapped into this process (the emu backend); this VF's "
+            "FB is device memory: use Buffer.read()/write(), or work on it in a kernel"
+        )
+
+    def close(self) -> None:
+        self.staging.close()
+
+
+@dataclass(frozen=True)
+class StagingChunk:
+    """One piece of staging to fill: its aperture offset and its memory."""
+
+    offset: int
+    array: np.ndarray  # uint8, writable: recv_into it
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.size)
+
+
+class StagedUpload:
+    """Pipelined host → FB copies through a ring of staging chunks (NetGPU on cuda).
+
+    The caller fills a chunk (`sock.recv_into(chunk.array)`), then commits it with
+    its FB destination; the engine copies it on its stream while the caller fills the
+    next one. A chunk is handed out again only once its copy has completed, so at
+    most `nchunks` copies are in flight, and a caller that outruns the copies waits
+    in `acquire`: that wait is what stops it reading its socket (backpressure).
+    Copies complete in the order they were committed (one channel, one stream).
+    """
+
+    def __init__(self, staging: StagingArea, queue: CommandQueue, chunk: int, nchunks: int) -> None:
+        if nchunks < 2:
+            raise ValueError(f"nchunks = {nchunks}: need at least 2 to overlap copy and fill")
+        self.staging = staging
+        self.queue = queue
+        self.chunk = chunk
+        self._offsets: list[int] = []
+        try:
+            for _ in range(nchunks):
+                self._offsets.append(staging.alloc(chunk))
+        except BaseException:
+            for off in self._offsets:
+                staging.free(off)
+            raise
+        self._free: deque[int] = deque(self._offsets)
+        self._inflight: deque[tuple[LaunchFuture, int]] = deque()
+        self._lock = threading.Lock()
+
+    def acquire(self) -> StagingChunk:
+        """A chunk to fill; waits for the oldest copy in flight when none is free."""
+        with self._lock:
+            self._reap()
+            while not self._free:
+                fut, off = self._inflight.popleft()
+                try:
+                    fut.result()
+                finally:
+                    self._free.append(off)
+            off = self._free.popleft()
+        return StagingChunk(off, self.staging.view(off, self.chunk))
+
+    def commit(self, chunk: StagingChunk, fb_offset: int, nbytes: int) -> LaunchFuture:
+        """Copy the first nbytes of the chunk to fb_offset; the chunk recycles when done."""
+        if not 0 < nbytes <= chunk.nbytes:
+            raise ValueError(f"commit of {nbytes} bytes from a {chunk.nbytes}-byte chunk")
+        try:
+            fut = self.queue.copy(Kind.COPY_IN, Copy(fb_offset, chunk.offset, nbytes))
+        except BaseException:
+            self.give_back(chunk)
+            raise
+        with self._lock:
+            self._inflight.append((fut, chunk.offset))
+        return fut
+
+    def give_back(self, chunk: StagingChunk) -> None:
+        """Return a chunk that was acquired but not committed (the sender closed, say)."""
+        with self._lock:
+            self._free.append(chunk.offset)
+
+    def drain(self) -> None:
+        """Wait for every copy in flight; raise the first failure after all are done."""
+        first: BaseException | None = None
+        with self._lock:
+            while self._inflight:
+                fut, off = self._inflight.popleft()
+                try:
+                    fut.result()
+                except BaseException as e:
+                    first = first or e
+                finally:
+                    self._free.append(off)
+        if first is not None:
+            raise first
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def close(self) -> None:
+        """Wait out the copies (they read our chunks), then hand the staging back."""
+        try:
+            self.drain()
+        finally:
+            for off in self._offsets:
+                self.staging.free(off)
+            self._offsets.clear()
+            self._free.clear()
+
+    def _reap(self) -> None:
+        # Copies finish in order; recycle the finished head without waiting.
+        while self._inflight and self._inflight[0][0].done():
+            fut, off = self._inflight.popleft()
+            self._free.append(off)
+            exc = fut.exception(timeout=0)
+            if exc is not None:
+                raise exc
+
+
+def _settle(inflight: list[LaunchFuture | None], slot: int) -> None:
+    fut = inflight[slot]
+    if fut is not None:
+        inflight[slot] = None
+        fut.result()
+
+
+def _settle_all(inflight: list[LaunchFuture | None]) -> None:
+    """Wait for every copy still in flight; raise the first failure after all are done."""
+    first: BaseException | None = None
+    for slot in range(len(inflight)):
+        try:
+            _settle(inflight, slot)
+        except BaseException as e:  # a VF reset fails both; waiting is still right
+            first = first or e
+    if first is not None:
+        raise first

@@ -1,0 +1,406 @@
+"""The cuda backend's parts that run without a GPU.
+
+- backend selection and the errors without CuPy or without a GPU;
+- the cooperative world switch (device/cuda.py CoopEngine + engine.py
+  CoopEngineLoop), run for real over an emu FB: the same host-side class and
+  engine loop the cuda backend uses, with emu's executor in the engine;
+- the staged FB path (guest/staging.py) against a real emu host, whose engine
+  copies between the unused head of the FB (its staging area) and buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import pytest
+
+from gpuvirt.device import make_device
+from gpuvirt.device.base import CommandTimeout, EngineDied, EngineSpec, WSCommand
+from gpuvirt.device.cuda import (
+    APERTURE_SIZE,
+    INSTALL_HINT,
+    PACKAGE_HINT,
+    STAGING_SIZE,
+    CoopEngine,
+    cupy_installed,
+)
+from gpuvirt.device.status import Word
+from gpuvirt.errors import DeviceError, GpuvirtError, StateError
+from gpuvirt.guest.queue import CommandQueue, kernel
+from gpuvirt.protocol.command import BufDesc, Copy, Kind
+from gpuvirt.protocol.info import PF2VF_OFFSET, RESERVED_SIZE
+
+# Kernels defined here run in engine processes that cannot import this module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+needs_no_cupy = pytest.mark.skipif(cupy_installed(), reason="CuPy is installed here")
+FB_SIZE = 4 << 20
+T = 5.0  # generous command timeout where the test is not about timeouts
+
+
+# ---- selection and errors ------------------------------------------------------------
+
+
+def test_emu_is_selected_by_name() -> None:
+    dev = make_device("emu")
+    try:
+        assert dev.backend == "emu"
+    finally:
+        dev.close()
+
+
+@needs_no_cupy
+def test_cuda_without_cupy_says_what_to_install() -> None:
+    with pytest.raises(DeviceError) as err:
+        make_device("cuda")
+    msg = str(err.value)
+    assert "CuPy" in msg and INSTALL_HINT in msg and "emu" in msg
+
+
+def test_cuda_with_cupy_hidden_says_what_to_install() -> None:
+    # Hide CuPy whether or not it is installed: the check must not import it either.
+    code = (
+        "import sys; sys.modules['cupy'] = None\n"
+        "from gpuvirt.device import make_device\n"
+        "from gpuvirt.errors import DeviceError\n"
+        "try:\n"
+        "    make_device('cuda')\n"
+        "except DeviceError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert INSTALL_HINT in out.stdout, out.stderr
+
+
+def test_cuda_with_broken_cupy_says_it_does_not_import(tmp_path: Path) -> None:
+    # A CuPy that is present but fails to import (a wheel for another CUDA, say): the
+    # probe runs in a child interpreter and reports the import error, not a GPU problem.
+    pkg = tmp_path / "cupy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('libcudart.so.12: cannot open')\n")
+    code = (
+        "from gpuvirt.device import make_device\n"
+        "from gpuvirt.errors import DeviceError\n"
+        "try:\n"
+        "    make_device('cuda')\n"
+        "except DeviceError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert "does not import" in out.stdout and "libcudart" in out.stdout, out.stderr
+
+
+@needs_no_cupy
+def test_host_with_cuda_backend_refuses_to_start_without_cupy() -> None:
+    from gpuvirt.bench.common import scratch_host
+
+    with pytest.raises(GpuvirtError) as err, scratch_host(device={"backend": "cuda"}):
+        pass
+    text = " ".join(str(err.value).split())  # the CLI wraps long lines
+    assert "exited with 2" in text
+    assert 'device.backend = "cuda" needs CuPy' in text and PACKAGE_HINT in text
+
+
+# ---- the cooperative world switch, over an emu FB ----------------------------------
+
+
+class Rig:
+    """One cooperative engine over a fresh FB memfd, and a guest command queue to it."""
+
+    def __init__(self, backend: str = "emu", fault: bool = False) -> None:
+        self.fb = os.memfd_create("test-coop-fb", os.MFD_CLOEXEC)
+        os.ftruncate(self.fb, FB_SIZE)
+        self.engine = CoopEngine(EngineSpec(0, FB_SIZE), self.fb, backend, fault)
+        self.queue: CommandQueue | None = None
+
+    def attach(self) -> CommandQueue:
+        guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.engine.attach_guest(engine_end.fileno())
+        engine_end.close()
+        doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.queue = CommandQueue(guest, doorbell)
+        return self.queue
+
+    def close(self) -> None:
+        self.engine.kill()
+        if self.queue is not None:
+            self.queue.close()
+        os.close(self.fb)
+
+
+@pytest.fixture
+def rig() -> Any:
+    r = Rig()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def _fill(xp: Any, a: Any, value: float) -> None:
+    a[...] = value
+
+
+def _sleep_then_fill(xp: Any, a: Any, seconds: float) -> str:
+    time.sleep(seconds)
+    a[...] = 7
+    return "done"
+
+
+def _spin(xp: Any) -> None:
+    while True:
+        pass
+
+
+def test_init_is_acknowledged_and_commands_follow_the_order(rig: Rig) -> None:
+    e = rig.engine
+    e.command(WSCommand.INIT_GPU, 30)
+    assert e.status[Word.READY] == 1
+    assert e.status[Word.ACK_SERIAL] == e.status[Word.CMD_SERIAL] == 1
+    assert e.status[Word.PID] == e.pid
+    with pytest.raises(StateError):
+        e.command(WSCommand.IDLE_GPU, T)
+    for cmd in (WSCommand.RUN_GPU, WSCommand.IDLE_GPU, WSCommand.SAVE_GPU_STATE,
+                WSCommand.LOAD_GPU_STATE, WSCommand.RUN_GPU):  # fmt: skip
+        e.command(cmd, T)
+    assert e.running
+    # IDLE and RUN each wrote a serial and were acknowledged; SAVE/LOAD are host-only.
+    assert e.status[Word.ACK_SERIAL] == e.status[Word.CMD_SERIAL] == 4
+
+
+def test_idle_engine_takes_no_guest_work(rig: Rig) -> None:
+    e = rig.engine
+    e.command(WSCommand.INIT_GPU, 30)
+    q = rig.attach()
+    desc = BufDesc(RESERVED_SIZE, (16,), "<f4")
+    # INIT leaves the engine idle, as emu's stop does: nothing runs before RUN.
+    fut = q.launch(kernel(_fill), (desc,), {"value": 3.0})
+    with pytest.raises(TimeoutError):
+        fut.result(timeout=0.3)
+    assert e.status[Word.RECEIVED] == 0
+    e.command(WSCommand.RUN_GPU, T)
+    assert fut.result(timeout=T) is None
+    e.command(WSCommand.IDLE_GPU, T)
+    fut = q.launch(kernel(_fill), (desc,), {"value": 4.0})
+    with pytest.raises(TimeoutError):
+        fut.result(timeout=0.3)
+    done = e.status[Word.COMPLETED]
+    e.command(WSCommand.SAVE_GPU_STATE, T)
+    e.command(WSCommand.LOAD_GPU_STATE, T)
+    e.command(WSCommand.RUN_GPU, T)
+    fut.result(timeout=T)
+    assert e.status[Word.COMPLETED] == done + 1
+
+
+def test_idle_waits_for_the_running_kernel_to_end(rig: Rig) -> None:
+    e = rig.engine
+    e.command(WSCommand.INIT_GPU, 30)
+    e.command(WSCommand.RUN_GPU, T)
+    q = rig.attach()
+    desc = BufDesc(RESERVED_SIZE, (16,), "<f4")
+    fut = q.launch(kernel(_sleep_then_fill), (desc,), {"seconds": 0.4})
+    deadline = time.monotonic() + T
+    while not e.status[Word.CURRENT_SEQ]:  # wait until the kernel is running
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    took = e.command(WSCommand.IDLE_GPU, T)
+    # A kernel boundary is the only place the engine can stop: not before it ends.
+    assert took > 0.2
+    assert e.status[Word.CURRENT_SEQ] == 0
+    assert fut.result(timeout=T) == "done"
+
+
+def test_a_kernel_that_never_ends_is_a_command_timeout(rig: Rig) -> None:
+    e = rig.engine
+    e.command(WSCommand.INIT_GPU, 30)
+    e.command(WSCommand.RUN_GPU, T)
+    q = rig.attach()
+    fut = q.launch(kernel(_spin), (), {})
+    deadline = time.monotonic() + T
+    while not e.status[Word.CURRENT_SEQ]:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeout, match="did not acknowledge IDLE_GPU within 300 ms"):
+        e.command(WSCommand.IDLE_GPU, 0.3)
+    assert 0.29 < time.monotonic() - t0 < 1.5
+    # The next attempt fails at once: the engine is still in the same kernel.
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeout, match="still not acknowledged"):
+        e.command(WSCommand.IDLE_GPU, 0.3)
+    assert time.monotonic() - t0 < 0.1
+    assert e.alive()
+    e.kill()
+    assert not e.alive()
+    q.fail_all(GpuvirtError("test over"))
+    with pytest.raises(GpuvirtError):
+        fut.result(timeout=1)
+
+
+def test_engine_killed_while_idling_is_engine_died(rig: Rig) -> None:
+    e = rig.engine
+    e.command(WSCommand.INIT_GPU, 30)
+    e.command(WSCommand.RUN_GPU, T)
+    os.kill(e.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDied):
+        e.command(WSCommand.IDLE_GPU, T)
+    assert time.monotonic() - t0 < 1.0  # seen on the pidfd, not at the timeout
+
+
+def test_engine_that_dies_during_start_fails_init() -> None:
+    r = Rig(fault=True)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineDied, match="exited during INIT_GPU"):
+            r.engine.command(WSCommand.INIT_GPU, 30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        r.close()
+
+
+@needs_no_cupy
+def test_cuda_engine_without_cupy_reports_why_it_did_not_start() -> None:
+    # The engine process itself imports CuPy; its failure reaches the host as text.
+    r = Rig(backend="cuda")
+    try:
+        with pytest.raises(EngineDied, match="cupy"):
+            r.engine.command(WSCommand.INIT_GPU, 30)
+        assert r.engine.failure is not None and "cupy" in r.engine.failure
+    finally:
+        r.close()
+
+
+def test_switch_latency_is_a_socket_round_trip(rig: Rig) -> None:
+    e = rig.engine
+    e.command(WSCommand.INIT_GPU, 30)
+    times = []
+    for _ in range(200):
+        times.append(e.command(WSCommand.RUN_GPU, T))
+        times.append(e.command(WSCommand.IDLE_GPU, T))
+        e.command(WSCommand.SAVE_GPU_STATE, T)
+        e.command(WSCommand.LOAD_GPU_STATE, T)
+    times.sort()
+    # Loose: a CI machine with 2 busy cores. The point is no polling back-off in the path.
+    assert times[len(times) // 2] < 0.005
+
+
+# ---- the staged FB path against a real emu host ------------------------------------
+
+
+def _emu_staging_or_skip(gpu: Any) -> None:
+    """Skip unless this emu engine carries out staging copies (EmuExecutor.copy_in)."""
+    try:
+        gpu._queue.copy(Kind.COPY_OUT, Copy(RESERVED_SIZE, 0, 16)).result(timeout=10)
+    except GpuvirtError as e:
+        if "no staging copies" in str(e):
+            pytest.skip("EmuExecutor.copy_in/copy_out do not copy yet (docs/cuda.md, emu hook)")
+        raise
+
+
+@pytest.fixture(scope="module")
+def emu_gpu() -> Any:
+    import gpuvirt
+    from gpuvirt.bench.common import scratch_host
+
+    with (
+        scratch_host(sriov={"vf_num": 1}) as hp,
+        gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu,
+    ):
+        _emu_staging_or_skip(gpu)
+        yield gpu
+
+
+def _staged(gpu: Any, chunk: int | None = None) -> Any:
+    from gpuvirt.guest.staging import StagedFB, StagingArea
+
+    # emu's staging area: the unused first 64 KiB of the FB's reserved head.
+    return StagedFB(StagingArea(gpu._mem, 0, PF2VF_OFFSET), gpu._queue, gpu.fb_size, chunk)
+
+
+@pytest.mark.parametrize("chunk", [None, 4096])
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 5 * 4096 + 7, 3 << 20])
+def test_staged_write_and_read_match_the_fb(emu_gpu: Any, nbytes: int, chunk: int | None) -> None:
+    fb = _staged(emu_gpu, chunk)
+    try:
+        buf = emu_gpu.alloc(nbytes, np.uint8)
+        data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+        fb.write(buf.offset, data)
+        assert np.array_equal(buf.view(), data)  # the FB itself, mapped
+        out = np.zeros(nbytes, np.uint8)
+        buf.view()[:] = data[::-1]
+        fb.read(buf.offset, out)
+        assert np.array_equal(out, data[::-1])
+        buf.free()
+    finally:
+        fb.close()
+
+
+def test_staged_copy_outside_the_fb_fails_and_the_path_still_works(emu_gpu: Any) -> None:
+    fb = _staged(emu_gpu, 4096)
+    try:
+        with pytest.raises(GpuvirtError, match="outside"):
+            fb.write(emu_gpu.fb_size - 100, np.zeros(5000, np.uint8))
+        buf = emu_gpu.alloc(10_000, np.uint8)
+        data = np.arange(10_000, dtype=np.uint16).astype(np.uint8)
+        fb.write(buf.offset, data)
+        out = np.empty_like(data)
+        fb.read(buf.offset, out)
+        assert np.array_equal(out, data)
+        with pytest.raises(GpuvirtError, match="mapped"):
+            fb.view(buf.offset, 16)
+        buf.free()
+    finally:
+        fb.close()
+
+
+def test_staged_upload_lands_a_socket_stream_in_the_fb(emu_gpu: Any) -> None:
+    import threading
+
+    from gpuvirt.guest.staging import StagedUpload, StagingArea
+
+    staging = StagingArea(emu_gpu._mem, 0, PF2VF_OFFSET)
+    up = StagedUpload(staging, emu_gpu._queue, chunk=8192, nchunks=4)
+    data = np.random.default_rng(7).integers(0, 256, 300_001, dtype=np.uint8)
+    buf = emu_gpu.alloc(data.size, np.uint8)
+    rx, tx = socket.socketpair()
+    sender = threading.Thread(target=lambda: (tx.sendall(data.tobytes()), tx.close()))
+    sender.start()
+    pos = 0
+    most_in_flight = 0
+    try:
+        while True:
+            chunk = up.acquire()
+            n = rx.recv_into(chunk.array)
+            if not n:
+                up.give_back(chunk)
+                break
+            up.commit(chunk, buf.offset + pos, n)
+            most_in_flight = max(most_in_flight, up.in_flight)
+            pos += n
+        up.drain()
+    finally:
+        sender.join(10)
+        rx.close()
+        up.close()
+    assert pos == data.size
+    assert np.array_equal(buf.view(), data)
+    assert 1 < most_in_flight <= 4  # copies overlapped the receive, never beyond the ring
+    assert staging.free_bytes == PF2VF_OFFSET  # every chunk went back
+
+
+def test_aperture_layout() -> None:
+    assert APERTURE_SIZE == RESERVED_SIZE + STAGING_SIZE
+    assert RESERVED_SIZE % 4096 == 0 and STAGING_SIZE % (2 << 20) == 0
