@@ -204,6 +204,7 @@ class CoopEngine(Engine):
             "--vf", str(spec.vf), "--fb-size", str(spec.fb_size),
             "--fb-fd", str(fb_fd), "--status-fd", str(status_fd),
             "--ctl-fd", str(engine_ctl.fileno()), "--idle-fd", str(self._idle),
+            "--host-pid", str(os.getpid()),
         ]  # fmt: skip
         if fault:
             cmd.append("--fault-exit")

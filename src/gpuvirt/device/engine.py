@@ -44,6 +44,7 @@ from gpuvirt.device.status import MAGIC, StatusArea, Word
 from gpuvirt.protocol.command import MAX_MESSAGE, BufDesc, Copy, Kind, Message, Status
 from gpuvirt.protocol.errors import ProtocolError
 
+MAX_RESULT = MAX_MESSAGE - 1024  # a DONE message must fit one datagram
 CTL_GUEST = b"G"
 CTL_EXIT = b"X"
 CTL_WAKE = b"W"
@@ -171,6 +172,12 @@ class EngineLoop:
                 if self._to_host is not None:
                     result = self._to_host(result)
                 payload = pickle.dumps(result) if result is not None else b""
+                if len(payload) > MAX_RESULT:
+                    status = Status.KERNEL_ERROR
+                    payload = (
+                        f"the kernel returned {len(payload)} bytes; at most {MAX_RESULT} travel "
+                        "back as a result: write large results into a buffer"
+                    ).encode()
             except Exception:
                 status, payload = Status.KERNEL_ERROR, traceback.format_exc().encode()
                 st.bump(Word.FAILED)

@@ -17,7 +17,10 @@ import itertools
 import os
 import pickle
 import socket
+import sys
+import sysconfig
 import threading
+import types
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -41,7 +44,17 @@ class Kernel:
 
     def pickled(self) -> bytes:
         if self._pickled is None:
-            self._pickled = cloudpickle.dumps(self.fn)
+            # cloudpickle ships functions of importable modules by reference, but the
+            # engine cannot import the tenant's own modules: ship those by value.
+            mod = sys.modules.get(getattr(self.fn, "__module__", "") or "")
+            by_value = mod is not None and _tenant_module(mod)
+            if by_value:
+                cloudpickle.register_pickle_by_value(mod)
+            try:
+                self._pickled = cloudpickle.dumps(self.fn)
+            finally:
+                if by_value:
+                    cloudpickle.unregister_pickle_by_value(mod)
         return self._pickled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -49,6 +62,18 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"<gpuvirt.kernel {self.name}>"
+
+
+def _tenant_module(mod: types.ModuleType) -> bool:
+    """True for the tenant's own code: not gpuvirt, not installed, not the stdlib."""
+    name = mod.__name__
+    if name == "__main__" or name.split(".")[0] == "gpuvirt":
+        return False
+    path = getattr(mod, "__file__", None)
+    if path is None:
+        return False
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return not any(os.path.abspath(path).startswith(r) for r in roots)
 
 
 def kernel(fn: Any) -> Kernel:

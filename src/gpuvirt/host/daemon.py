@@ -260,7 +260,7 @@ class Host:
         await asyncio.wrap_future(self.sched.set_guest(vf.index, doorbell))
         await asyncio.wrap_future(self.sched.set_exclusive(None))
         self.release_fullaccess(vf)
-        vf.vf2pf_bad, vf.untrusted = 0, False
+        vf.vf2pf_bad, vf.untrusted, vf.vf2pf = 0, False, {}
         self.spawn(self._read_vf2pf(vf, vf.conn))
 
     async def suspend(self, vf: VF, reason: str) -> None:
@@ -345,6 +345,12 @@ class Host:
                     )  # fmt: skip
                 continue
             vf.vf2pf_bad = 0
+            if not vf.vf2pf:
+                self.events.emit(
+                    Category.MAILBOX, "vf2pf.first",
+                    f"guest reports {info.driver_version!r}, pid {info.pid}", vf.index,
+                    driver_version=info.driver_version, pid=info.pid,
+                )  # fmt: skip
             vf.vf2pf = {
                 "driver_version": info.driver_version, "pid": info.pid,
                 "fb_used": info.fb_used, "launches_completed": info.launches_completed,

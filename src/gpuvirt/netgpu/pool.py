@@ -129,7 +129,7 @@ class Pool:
         from gpuvirt.netgpu.rx import Rx
 
         rx = Rx(self, framed=framed, crc=crc, timeout=timeout, streams=1)
-        rx.add_socket(sock, stream=stream, blocking=True)
+        rx.add_socket(sock, stream=stream)
         return self._track(rx)
 
     def listen(
@@ -164,7 +164,10 @@ class Pool:
         return self._track(rx)
 
     def release(self, tokens: Iterable[int]) -> None:
-        """Give fragments back (like SO_DEVMEM_DONTNEED). All or nothing: a bad token releases none."""
+        """Give fragments back (like SO_DEVMEM_DONTNEED).
+
+        All or nothing: if any token is bad, none is released and TokenError says which and why.
+        """
         batch = tokens if isinstance(tokens, list | tuple) else list(tokens)
         with self._lock:
             self._check_live()
@@ -231,8 +234,7 @@ class Pool:
     # ---- for receivers (rx.py) -------------------------------------------------------
 
     def check_live(self) -> None:
-        with self._lock:
-            self._check_live()
+        self._check_live()
 
     def take(self) -> int | None:
         """A free chunk with one reference (the caller's), or None when the pool is dry."""
@@ -321,4 +323,3 @@ class Pool:
                 t, "already released; a fragment's token goes back to the pool exactly once"
             )
         return TokenError(t, "was never handed out by this pool; pass Frag.token values")
-

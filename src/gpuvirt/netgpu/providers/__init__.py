@@ -65,7 +65,7 @@ def _why_not(name: str, gpu: Gpu) -> str | None:
             "SO_DEVMEM_DONTNEED",
         )  # fmt: skip
     if name == "io_uring-zcrx":
-        return _kernel_path_reason("io_uring zero-copy rx", ZCRX_KERNEL, "a zcrx ifq and refill ring")
+        return _kernel_path_reason("io_uring zcrx", ZCRX_KERNEL, "a zcrx ifq and refill ring")
     return PROVIDERS[name].probe(gpu)
 
 
