@@ -121,11 +121,18 @@ class Workers:
             assert conn.recv() == "ready"
 
     def stop(self, timeout: float = 60) -> list[Any]:
+        """Ask each worker to stop; its report, or None for one that already finished."""
         out = []
         for _, conn in self.procs:
-            conn.send("stop")
+            try:
+                conn.send("stop")
+            except (BrokenPipeError, ConnectionError):
+                pass
         for p, conn in self.procs:
-            out.append(conn.recv() if conn.poll(timeout) else None)
+            try:
+                out.append(conn.recv() if conn.poll(timeout) else None)
+            except (EOFError, ConnectionError):
+                out.append(None)
             p.join(timeout)
         return out
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpuvirt.errors import GpuvirtError, OutOfMemoryError
+from gpuvirt.errors import GpuvirtError, OutOfMemoryError, VFResetError
 from gpuvirt.guest.memory import Allocator
 from gpuvirt.protocol.command import Copy, Kind
 from gpuvirt.protocol.info import RESERVED_SIZE
@@ -43,7 +43,7 @@ class StagingArea:
             raise GpuvirtError(f"staging area of {size} bytes at aperture offset {start}: empty")
         self.start = start
         self.size = size
-        self.array = np.frombuffer(mem, dtype=np.uint8, count=size, offset=start)
+        self.array: np.ndarray | None = np.frombuffer(mem, dtype=np.uint8, count=size, offset=start)
         self._alloc = Allocator(start, start + size)
 
     @classmethod
@@ -70,12 +70,16 @@ class StagingArea:
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """Staging memory at aperture offset `offset` as uint8."""
+        arr = self.array
+        if arr is None:
+            # A reset or detach closed it under a transfer in another thread.
+            raise VFResetError("the VF's staging area is gone: the VF was reset or detached")
         i = offset - self.start
-        return self.array[i : i + nbytes]
+        return arr[i : i + nbytes]
 
     def close(self) -> None:
         # Drop our export of the aperture mapping so the client can close it.
-        del self.array
+        self.array = None
 
 
 class StagedFB:
