@@ -1,0 +1,151 @@
+"""World switch and policies, observed from real engines running real kernels."""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import MakeHost
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gpuvirt
+from gpuvirt.bench.workers import Workers, busy_guest, record
+from gpuvirt.device.base import LEGAL_AFTER, EngineSpec, WSCommand
+from gpuvirt.device.emu import EmuDevice
+from gpuvirt.errors import StateError
+from gpuvirt.host.events import EventLog
+from gpuvirt.host.vfmgr import TRANSITIONS, VF, VFManager, VFState
+
+pytestmark = pytest.mark.timeout(180)
+SAMPLES = 150_000
+
+
+def _recorder(conn: Connection, sock: str, vf: int, token: str) -> None:
+    with gpuvirt.attach(vf=vf, socket=sock, token=token) as gpu:
+        out = gpu.alloc(SAMPLES, np.int64)
+        gpu.launch(record, out, 10).result(30)  # kernel shipped and warm
+        conn.send("ready")
+        conn.recv()
+        gpu.launch(record, out, SAMPLES).result(120)
+        conn.send(out.read())
+
+
+def test_kernels_of_two_vfs_never_run_at_once_and_round_robin_keeps_order(
+    make_host: MakeHost,
+) -> None:
+    hp = make_host(sriov={"vf_num": 3}, scheduler={"policy": "round_robin", "time_slice_ms": 4})
+    with Workers() as w:
+        conns = [w.start(_recorder, str(hp.socket), vf, hp.token(vf)) for vf in range(3)]
+        w.wait_ready()
+        before = hp.admin.request("GET", "/sched")["switches"]
+        for c in conns:
+            c.send("go")
+        samples = [c.recv() for c in conns]
+        switches = hp.admin.request("GET", "/sched")["switches"] - before
+    t = np.concatenate(samples)
+    who = np.concatenate([np.full(SAMPLES, vf) for vf in range(3)])
+    order = who[np.argsort(t, kind="stable")]
+    runs = order[np.r_[True, order[1:] != order[:-1]]]
+    # Each run of one VF's samples needs a world switch to end: were two engines ever
+    # running together, their samples would interleave into far more runs than switches.
+    assert len(runs) <= switches + 1, (len(runs), switches)
+    # Round robin: while all three are busy, each run is followed by the next VF in turn.
+    busy_until = min(s[-1] for s in samples)
+    cut = np.searchsorted(np.sort(t), busy_until)
+    head = order[:cut]
+    head_runs = head[np.r_[True, head[1:] != head[:-1]]]
+    assert len(head_runs) > 6
+    assert all((b - a) % 3 == 1 for a, b in zip(head_runs, head_runs[1:], strict=False))
+
+
+def _window(hp: Any, seconds: float) -> dict[int, float]:
+    a = hp.admin.request("GET", "/sched")
+    time.sleep(seconds)  # the measurement window
+    b = hp.admin.request("GET", "/sched")
+    span = b["elapsed_ns"] - a["elapsed_ns"]
+    return {int(vf): (b["vfs"][vf]["device_ns"] - a["vfs"][vf]["device_ns"]) / span for vf in b["vfs"]}
+
+
+@pytest.mark.parametrize("policy", ["fairness", "round_robin", "liquid"])
+def test_policies_give_the_shares_they_promise(make_host: MakeHost, policy: str) -> None:
+    # VF0 busy, VF1 attached but idle, VF2 without a guest
+    hp = make_host(sriov={"vf_num": 3}, scheduler={"policy": policy})
+    with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)), Workers() as w:
+        w.start(busy_guest, str(hp.socket), 0, hp.token(0), 0.05)
+        w.wait_ready()
+        share = _window(hp, 1.5)
+        w.stop()
+    if policy == "fairness":  # every enabled VF gets its slice, guest or not, work or not
+        assert share[1] > 0.2 and share[2] > 0.2 and share[0] < 0.5
+    elif policy == "round_robin":  # VFs with a guest get theirs, idle or not
+        assert share[1] > 0.3 and share[2] == 0 and share[0] < 0.7
+    else:  # liquid: an idle VF yields at once; the busy one gets the device
+        assert share[0] > 0.9 and share[1] < 0.05 and share[2] == 0
+
+
+def test_weighted_shares_follow_the_weights(make_host: MakeHost) -> None:
+    hp = make_host(
+        scheduler={"policy": "weighted"},
+        vf=[{"index": 0, "weight": 1}, {"index": 1, "weight": 3}],
+    )
+    with Workers() as w:
+        for vf in (0, 1):
+            w.start(busy_guest, str(hp.socket), vf, hp.token(vf), 0.05)
+        w.wait_ready()
+        share = _window(hp, 2.0)
+        w.stop()
+    assert 2.5 < share[1] / share[0] < 3.5, share
+
+
+def test_world_switch_commands_only_in_gims_order() -> None:
+    dev = EmuDevice()
+    dev.create_fb(0, 4 << 20)
+    engine = dev.new_engine(EngineSpec(0, 4 << 20))
+    try:
+        with pytest.raises(StateError, match="RUN_GPU is illegal after SHUTDOWN_GPU"):
+            engine.command(WSCommand.RUN_GPU, 5)
+        engine.command(WSCommand.INIT_GPU, 30)
+        with pytest.raises(StateError, match="SAVE_GPU_STATE is illegal after INIT_GPU"):
+            engine.command(WSCommand.SAVE_GPU_STATE, 5)
+        for cmd in (WSCommand.RUN_GPU, WSCommand.IDLE_GPU, WSCommand.SAVE_GPU_STATE,
+                    WSCommand.LOAD_GPU_STATE, WSCommand.RUN_GPU, WSCommand.IDLE_GPU):  # fmt: skip
+            engine.command(cmd, 5)
+        with pytest.raises(StateError, match="LOAD_GPU_STATE is illegal after IDLE_GPU"):
+            engine.command(WSCommand.LOAD_GPU_STATE, 5)
+    finally:
+        engine.kill()
+        dev.close()
+
+
+@given(path=st.lists(st.sampled_from(list(VFState)), max_size=10))
+def test_vf_transitions_outside_the_table_raise(path: list[VFState], tmp_path_factory) -> None:  # noqa: ANN001
+    from gpuvirt.config import VFPlan
+
+    plan = VFPlan(0, 1 << 20, 1.0, tmp_path_factory.getbasetemp() / "t", None)
+    vfm = VFManager([VF(0, plan, b"\0" * 32)], EventLog(None))
+    vf = vfm[0]
+    for new in path:
+        old = vf.state
+        if new in TRANSITIONS[old]:
+            vfm.transition(vf, new, "test")
+            assert vf.state == new
+        else:
+            with pytest.raises(StateError, match=f"{old} → {new}"):
+                vfm.transition(vf, new, "test")
+            assert vf.state == old
+    assert [e.data["new"] for e in vfm.events.since()] == [
+        s for s in _accepted(path)
+    ]
+
+
+def _accepted(path: list[VFState]) -> list[str]:
+    state, out = VFState.UNAVAIL, []
+    for new in path:
+        if new in TRANSITIONS[state]:
+            state = new
+            out.append(str(new))
+    return out
