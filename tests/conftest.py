@@ -30,5 +30,3 @@ def make_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MakeHost]:
     yield make
     for hp in started:
         hp.stop()
-
-

@@ -28,7 +28,6 @@ from gpuvirt.protocol.mailbox import (
     GuestMsg,
     HostMsg,
 )
-
 from helpers import MakeHost, fb_fds, last_seq, wait_event, wait_state
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,11 +81,11 @@ def test_wrong_token_index_and_taken_vf_are_refused(make_host: MakeHost) -> None
     assert [e["data"]["reason"] for e in refused] == ["BAD_TOKEN", "BAD_VF", "VF_BUSY"]
 
 
-def _inc(xp, b) -> None:  # noqa: ANN001
+def _inc(xp, b) -> None:
     b += 1
 
 
-def _scale(xp, b, k) -> None:  # noqa: ANN001
+def _scale(xp, b, k) -> None:
     b *= k
 
 
@@ -103,7 +102,7 @@ def _pattern_guest(conn: Connection, sock: str, vf: int, token: str, nbytes: int
         conn.recv()  # wait to be killed
 
 
-def _start_pattern_guest(hp, vf: int, nbytes: int):  # noqa: ANN001, ANN202
+def _start_pattern_guest(hp, vf: int, nbytes: int):
     parent, child = SPAWN.Pipe()
     proc = SPAWN.Process(
         target=_pattern_guest, args=(child, str(hp.socket), vf, hp.token(vf), nbytes)
@@ -115,7 +114,7 @@ def _start_pattern_guest(hp, vf: int, nbytes: int):  # noqa: ANN001, ANN202
 
 def test_a_guest_holds_only_its_own_vf_memory(make_host: MakeHost) -> None:
     hp = make_host()
-    proc, conn, pid, fds = _start_pattern_guest(hp, 0, 8 << 20)
+    proc, conn, _pid, fds = _start_pattern_guest(hp, 0, 8 << 20)
     try:
         assert fds and all("gpuvirt-vf0-fb" in f for f in fds), fds
         with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as gpu:
@@ -150,7 +149,7 @@ def test_next_guest_reads_only_zeros(make_host: MakeHost, how: str) -> None:
         assert gpu.launch(lambda xp, b: int(b.max()), whole).result(30) == 0
 
 
-def test_guest_errors_say_what_happened(make_host: MakeHost, tmp_path) -> None:  # noqa: ANN001
+def test_guest_errors_say_what_happened(make_host: MakeHost, tmp_path) -> None:
     hp = make_host()
     with pytest.raises(gpuvirt.HostUnreachableError, match="cannot reach"):
         gpuvirt.attach(vf=0, socket=tmp_path / "nope.sock", token=hp.token(0))
@@ -170,7 +169,7 @@ def test_guest_errors_say_what_happened(make_host: MakeHost, tmp_path) -> None: 
         gpu.alloc(4)
 
 
-def _raw(hp) -> socket.socket:  # noqa: ANN001
+def _raw(hp) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
     s.connect(str(hp.socket))
@@ -188,7 +187,7 @@ def _recv_frame(s: socket.socket) -> Frame | None:
 
 
 @pytest.fixture(scope="module")
-def garbage_host(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def garbage_host(tmp_path_factory: pytest.TempPathFactory):
     from gpuvirt.bench.common import host_config
     from gpuvirt.host.process import HostProcess
 
@@ -200,7 +199,7 @@ def garbage_host(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     hp.stop()
 
 
-def _neighbour_still_works(gpu) -> None:  # noqa: ANN001
+def _neighbour_still_works(gpu) -> None:
     x = gpu.alloc(3, np.int64)
     x.write([1, 2, 3])
     gpu.launch(_scale, x, 2).result(10)
@@ -208,9 +207,11 @@ def _neighbour_still_works(gpu) -> None:  # noqa: ANN001
     x.free()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(junk=st.binary(min_size=0, max_size=ATTACH_SIZE))
-def test_garbage_attach_gets_fail_or_close(garbage_host, junk: bytes) -> None:  # noqa: ANN001
+def test_garbage_attach_gets_fail_or_close(garbage_host, junk: bytes) -> None:
     hp, gpu = garbage_host
     s = _raw(hp)
     s.sendall(junk)
@@ -224,10 +225,12 @@ def test_garbage_attach_gets_fail_or_close(garbage_host, junk: bytes) -> None:  
     _neighbour_still_works(gpu)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(frames=st.lists(st.binary(min_size=FRAME_SIZE, max_size=FRAME_SIZE), max_size=6),
        tail=st.binary(max_size=FRAME_SIZE - 1))  # fmt: skip
-def test_garbage_frames_get_fail_and_the_connection_stays(garbage_host, frames, tail) -> None:  # noqa: ANN001
+def test_garbage_frames_get_fail_and_the_connection_stays(garbage_host, frames, tail) -> None:
     hp, gpu = garbage_host
     s = _raw(hp)
     s.sendall(Attach(vf=0, token=bytes.fromhex(hp.token(0))).encode())
@@ -267,7 +270,7 @@ def test_enable_and_disable_while_another_vf_works(make_host: MakeHost) -> None:
                 try:
                     gpu.launch(_inc, x).result(10)
                     done.append(1)
-                except BaseException as e:  # noqa: BLE001 - reported below
+                except BaseException as e:
                     errors.append(e)
                     return
             assert x.read()[0] == len(done)

@@ -10,17 +10,17 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import MakeHost, last_seq, wait_event, wait_state
 
 import gpuvirt
 from gpuvirt.bench.workers import Workers, busy_guest, hang_guest
 from gpuvirt.protocol.info import PF2VF_OFFSET, RESERVED_SIZE
 from gpuvirt.protocol.mailbox import FRAME_SIZE, Attach, Frame, GuestMsg, HostMsg
+from helpers import MakeHost, last_seq, wait_event, wait_state
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def flr_done(vf: int):  # noqa: ANN201
+def flr_done(vf: int):
     return lambda e: e["kind"] == "flr.done" and e["vf"] == vf
 
 

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import MakeHost
 from hypothesis import given
 from hypothesis import strategies as st
 
 import gpuvirt
 from gpuvirt.bench.workers import Workers, busy_guest, record
-from gpuvirt.device.base import LEGAL_AFTER, EngineSpec, WSCommand
+from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.errors import StateError
 from gpuvirt.host.events import EventLog
 from gpuvirt.host.vfmgr import TRANSITIONS, VF, VFManager, VFState
+from helpers import MakeHost
 
 pytestmark = pytest.mark.timeout(180)
 SAMPLES = 150_000
@@ -59,7 +60,7 @@ def test_kernels_of_two_vfs_never_run_at_once_and_round_robin_keeps_order(
     head = order[:cut]
     head_runs = head[np.r_[True, head[1:] != head[:-1]]]
     assert len(head_runs) > 6
-    assert all((b - a) % 3 == 1 for a, b in zip(head_runs, head_runs[1:], strict=False))
+    assert all((b - a) % 3 == 1 for a, b in itertools.pairwise(head_runs))
 
 
 def _window(hp: Any, seconds: float) -> dict[int, float]:
@@ -67,7 +68,9 @@ def _window(hp: Any, seconds: float) -> dict[int, float]:
     time.sleep(seconds)  # the measurement window
     b = hp.admin.request("GET", "/sched")
     span = b["elapsed_ns"] - a["elapsed_ns"]
-    return {int(vf): (b["vfs"][vf]["device_ns"] - a["vfs"][vf]["device_ns"]) / span for vf in b["vfs"]}
+    return {
+        int(vf): (b["vfs"][vf]["device_ns"] - a["vfs"][vf]["device_ns"]) / span for vf in b["vfs"]
+    }
 
 
 @pytest.mark.parametrize("policy", ["fairness", "round_robin", "liquid"])
@@ -122,7 +125,7 @@ def test_world_switch_commands_only_in_gims_order() -> None:
 
 
 @given(path=st.lists(st.sampled_from(list(VFState)), max_size=10))
-def test_vf_transitions_outside_the_table_raise(path: list[VFState], tmp_path_factory) -> None:  # noqa: ANN001
+def test_vf_transitions_outside_the_table_raise(path: list[VFState], tmp_path_factory) -> None:
     from gpuvirt.config import VFPlan
 
     plan = VFPlan(0, 1 << 20, 1.0, tmp_path_factory.getbasetemp() / "t", None)
@@ -137,9 +140,7 @@ def test_vf_transitions_outside_the_table_raise(path: list[VFState], tmp_path_fa
             with pytest.raises(StateError, match=f"{old} → {new}"):
                 vfm.transition(vf, new, "test")
             assert vf.state == old
-    assert [e.data["new"] for e in vfm.events.since()] == [
-        s for s in _accepted(path)
-    ]
+    assert [e.data["new"] for e in vfm.events.since()] == [s for s in _accepted(path)]
 
 
 def _accepted(path: list[VFState]) -> list[str]:

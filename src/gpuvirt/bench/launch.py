@@ -74,11 +74,13 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     rounds, per_round = (3, 500) if quick else (10, 2000)
     floor: list[float] = []
     launch: list[float] = []
-    with scratch_host(device={"backend": backend}, sriov={"vf_num": 2}) as hp:
-        with gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu:
-            for _ in range(rounds):
-                floor += pingpong(per_round)
-                launch += launches(gpu, per_round)
+    with (
+        scratch_host(device={"backend": backend}, sriov={"vf_num": 2}) as hp,
+        gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu,
+    ):
+        for _ in range(rounds):
+            floor += pingpong(per_round)
+            launch += launches(gpu, per_round)
     p50, p99, f50 = percentile(launch, 50), percentile(launch, 99), percentile(floor, 50)
     ratio = p50 / f50
     return Result(

@@ -11,6 +11,7 @@ Three runs, each with real guest processes keeping their VFs busy:
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -69,7 +70,7 @@ def shares_over_time(samples: list[dict[str, Any]], vfs: list[int]) -> dict[str,
     for vf in vfs:
         out[f"vf{vf}"] = []
     t0 = samples[0]["elapsed_ns"]
-    for a, b in zip(samples, samples[1:], strict=False):
+    for a, b in itertools.pairwise(samples):
         d = {vf: b["vfs"][str(vf)]["device_ns"] - a["vfs"][str(vf)]["device_ns"] for vf in vfs}
         tot = sum(d.values()) or 1
         out["t"].append((b["elapsed_ns"] - t0) / 1e9)

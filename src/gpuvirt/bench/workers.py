@@ -8,6 +8,7 @@ mailbox).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
@@ -124,10 +125,8 @@ class Workers:
         """Ask each worker to stop; its report, or None for one that already finished."""
         out = []
         for _, conn in self.procs:
-            try:
+            with contextlib.suppress(BrokenPipeError, ConnectionError):
                 conn.send("stop")
-            except (BrokenPipeError, ConnectionError):
-                pass
         for p, conn in self.procs:
             try:
                 out.append(conn.recv() if conn.poll(timeout) else None)

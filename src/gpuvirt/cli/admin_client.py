@@ -61,7 +61,9 @@ class AdminClient:
         return body, ctype
 
     def _where(self) -> str:
-        return str(self.address) if isinstance(self.address, Path) else "%s:%d" % self.address
+        return (
+            str(self.address) if isinstance(self.address, Path) else "{}:{}".format(*self.address)
+        )
 
     def status(self) -> dict[str, Any]:
         return self.request("GET", "/status")
@@ -71,6 +73,8 @@ class AdminClient:
             return self.request("GET", f"/vf/{index}")
         return self.request("POST", f"/vf/{index}/{action}", timeout=120)
 
-    def events(self, after: int = 0, vf: int | None = None, wait: float = 0) -> list[dict[str, Any]]:
+    def events(
+        self, after: int = 0, vf: int | None = None, wait: float = 0
+    ) -> list[dict[str, Any]]:
         q = f"/events?after={after}&wait={wait}" + (f"&vf={vf}" if vf is not None else "")
         return self.request("GET", q, timeout=wait + 30)

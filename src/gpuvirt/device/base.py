@@ -12,6 +12,7 @@ the engine's last command and the one attempted.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import signal
 import threading
@@ -170,10 +171,8 @@ class Watchdog:
                 late = [e for e in self._engines.values() if e.deadline and e.deadline < now]
             for e in late:
                 e.timed_out = True
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(e.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
     def stop(self) -> None:
         self._stop.set()

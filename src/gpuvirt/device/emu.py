@@ -10,6 +10,7 @@ goes back to the host without being touched page by page.
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -173,14 +174,10 @@ class EmuEngine(Engine):
     def kill(self) -> None:
         if self._reaped:
             return
-        try:
+        with contextlib.suppress(OSError):
             self._ctl.send(CTL_EXIT)
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         _pid, status = os.waitpid(self.pid, 0)
         self._popen.returncode = os.waitstatus_to_exitcode(status)
         self._reaped = True

@@ -35,7 +35,6 @@ from gpuvirt.errors import (
 )
 from gpuvirt.guest.memory import Allocator, Buffer, MappedFB
 from gpuvirt.guest.queue import CommandQueue, Kernel, LaunchFuture, kernel
-from gpuvirt.protocol.command import Kind
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (
     BLOCK_SIZE,
@@ -107,7 +106,9 @@ class Gpu:
         self._key = 0
         self._netgpu: Any = None
         self._stop = threading.Event()
-        self._mbox = threading.Thread(target=self._mailbox, name=f"gpuvirt-vf{vf}-mbox", daemon=True)
+        self._mbox = threading.Thread(
+            target=self._mailbox, name=f"gpuvirt-vf{vf}-mbox", daemon=True
+        )
         self._mbox.start()
         self._vf2pf_thread = threading.Thread(target=self._vf2pf_loop, daemon=True)
 
@@ -207,7 +208,9 @@ class Gpu:
             except OSError as e:
                 raise DetachedError(f"lost the host connection: {e}") from None
 
-    def _request(self, frame: Frame, want: HostMsg, timeout: float = REPLY_TIMEOUT_S) -> tuple[Frame, list[int]]:
+    def _request(
+        self, frame: Frame, want: HostMsg, timeout: float = REPLY_TIMEOUT_S
+    ) -> tuple[Frame, list[int]]:
         self._send(frame)
         try:
             reply, fds = self._replies.get(timeout=timeout)
@@ -218,7 +221,9 @@ class Gpu:
         if reply.msg == HostMsg.FAIL and want != HostMsg.FAIL:
             for fd in fds:
                 os.close(fd)
-            raise AuthRefusedError(f"VF{self.vf}: {GuestMsg(frame.msg).name} refused: {_reason(reply)}")
+            raise AuthRefusedError(
+                f"VF{self.vf}: {GuestMsg(frame.msg).name} refused: {_reason(reply)}"
+            )
         if reply.msg != want:
             for fd in fds:
                 os.close(fd)
@@ -237,7 +242,9 @@ class Gpu:
             size = os.fstat(aperture).st_size
             self._mem = mmap.mmap(aperture, size, mmap.MAP_SHARED)
             try:
-                info = PF2VF.decode(bytes(self._mem[PF2VF_OFFSET : PF2VF_OFFSET + BLOCK_SIZE]), self._key)
+                info = PF2VF.decode(
+                    bytes(self._mem[PF2VF_OFFSET : PF2VF_OFFSET + BLOCK_SIZE]), self._key
+                )
             except ProtocolError as e:
                 raise DetachedError(f"PF2VF block is bad ({e}); refusing to start") from None
             if not info.feature_flags & FEATURE_FB_MAPPED:
@@ -299,7 +306,9 @@ class Gpu:
                 data, fds = b"", []
             if len(data) < FRAME_SIZE:
                 if not self.closed:
-                    self._reset_error = DetachedError(f"VF{self.vf}: the host closed the connection")
+                    self._reset_error = DetachedError(
+                        f"VF{self.vf}: the host closed the connection"
+                    )
                     self._drop_vf(self._reset_error)
                     self._replies.put((Frame(HostMsg.FAIL, 0), []))
                 return
@@ -344,7 +353,9 @@ def _recv_frame(sock: socket.socket) -> tuple[bytes, list[int]]:
     data = b""
     got: list[int] = []
     while len(data) < FRAME_SIZE:
-        chunk, anc, _flags, _addr = sock.recvmsg(FRAME_SIZE - len(data), socket.CMSG_SPACE(8 * fds.itemsize))
+        chunk, anc, _flags, _addr = sock.recvmsg(
+            FRAME_SIZE - len(data), socket.CMSG_SPACE(8 * fds.itemsize)
+        )
         for level, kind, raw in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 a = array.array("i")
@@ -370,9 +381,7 @@ def attach(
     from gpuvirt.config import load_config
 
     path = (
-        socket
-        or os.environ.get("GPUVIRT_SOCKET")
-        or load_config().host.socket_path(create=False)
+        socket or os.environ.get("GPUVIRT_SOCKET") or load_config().host.socket_path(create=False)
     )
     if vf is None:
         env = os.environ.get("GPUVIRT_VF")
@@ -405,7 +414,9 @@ def attach(
         gpu._init()
     except queue_mod.Empty:
         gpu._teardown(DetachedError("no answer"))
-        raise HostUnreachableError(f"host at {path} did not answer ATTACH within {timeout} s") from None
+        raise HostUnreachableError(
+            f"host at {path} did not answer ATTACH within {timeout} s"
+        ) from None
     except BaseException:
         gpu._teardown(DetachedError(f"attach to VF{vf} failed"))
         raise

@@ -122,11 +122,10 @@ class Buffer:
     def write(self, data: Any) -> None:
         self._check()
         arr = np.ascontiguousarray(data, dtype=self.dtype)
-        if arr.shape != self.shape:
-            if arr.size != int(np.prod(self.shape)):
-                raise ValueError(
-                    f"cannot write an array of shape {arr.shape} into a buffer of shape {self.shape}"
-                )
+        if arr.shape != self.shape and arr.size != int(np.prod(self.shape)):
+            raise ValueError(
+                f"cannot write an array of shape {arr.shape} into a buffer of shape {self.shape}"
+            )
         self._gpu._fb.write(self.offset, arr.reshape(-1).view(np.uint8))
 
     def read(self) -> np.ndarray:
@@ -167,4 +166,3 @@ class MappedFB:
 
     def close(self) -> None:
         del self.array
-

@@ -13,6 +13,7 @@ thread blocked reading it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -20,8 +21,8 @@ import socket
 import sys
 import sysconfig
 import threading
-import types
 import time
+import types
 from concurrent.futures import Future
 from typing import Any
 
@@ -187,9 +188,13 @@ class CommandQueue:
         if msg.flags == Status.OK:
             fut.set_result(pickle.loads(msg.payload) if msg.payload else None)
         elif msg.flags == Status.KERNEL_ERROR:
-            fut.set_exception(KernelError(f"{fut.what} raised in the engine:\n{msg.payload.decode()}"))
+            fut.set_exception(
+                KernelError(f"{fut.what} raised in the engine:\n{msg.payload.decode()}")
+            )
         else:
-            fut.set_exception(GpuvirtError(f"{fut.what} refused by the engine: {msg.payload.decode()}"))
+            fut.set_exception(
+                GpuvirtError(f"{fut.what} refused by the engine: {msg.payload.decode()}")
+            )
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait until every launch so far has finished (errors stay on their futures)."""
@@ -204,10 +209,8 @@ class CommandQueue:
             fut = self.pending.pop(seq, None)
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
-        try:
+        with contextlib.suppress(OSError):
             self.channel.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def close(self) -> None:
         self.channel.close()

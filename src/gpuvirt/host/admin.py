@@ -43,7 +43,9 @@ class AdminServer:
     def __init__(self, host: Host) -> None:
         self.host = host
         self.address = host.admin_address
-        self.where = str(self.address) if isinstance(self.address, Path) else "%s:%d" % self.address
+        self.where = (
+            str(self.address) if isinstance(self.address, Path) else "{}:{}".format(*self.address)
+        )
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -122,7 +124,7 @@ class AdminServer:
                 return await self._action(vf, parts[2])
         raise HttpError(HTTPStatus.NOT_FOUND, f"no such endpoint: {method} /{'/'.join(parts)}")
 
-    def _vf(self, text: str):  # noqa: ANN202
+    def _vf(self, text: str):
         try:
             index = int(text)
             return self.host.vfm[index]

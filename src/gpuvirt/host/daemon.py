@@ -34,7 +34,14 @@ from gpuvirt.host.reset import Resetter
 from gpuvirt.host.sched import Policy, Scheduler
 from gpuvirt.host.vfmgr import VF, VFManager, VFState
 from gpuvirt.protocol.errors import ProtocolError
-from gpuvirt.protocol.info import PF2VF, PF2VF_OFFSET, RESERVED_SIZE, VF2PF, VF2PF_OFFSET, BLOCK_SIZE
+from gpuvirt.protocol.info import (
+    BLOCK_SIZE,
+    PF2VF,
+    PF2VF_OFFSET,
+    RESERVED_SIZE,
+    VF2PF,
+    VF2PF_OFFSET,
+)
 
 S = VFState
 SWITCH_INTERVAL_S = 0.0002

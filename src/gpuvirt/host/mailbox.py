@@ -115,7 +115,9 @@ class Session:
     async def _attach(self, loop: asyncio.AbstractEventLoop) -> bool:
         host = self.host
         try:
-            data = await asyncio.wait_for(recv_exact(loop, self.sock, ATTACH_SIZE), ATTACH_TIMEOUT_S)
+            data = await asyncio.wait_for(
+                recv_exact(loop, self.sock, ATTACH_SIZE), ATTACH_TIMEOUT_S
+            )
         except TimeoutError:
             data = b""
         try:
@@ -213,7 +215,9 @@ class Session:
         cmd_guest, cmd_engine = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             if not await host.grant_fullaccess(vf):
-                self.send(Frame(HostMsg.FAIL, FailReason.BAD_STATE, 0, GuestMsg.REQ_GPU_INIT_ACCESS))
+                self.send(
+                    Frame(HostMsg.FAIL, FailReason.BAD_STATE, 0, GuestMsg.REQ_GPU_INIT_ACCESS)
+                )
                 return
             assert vf.engine is not None
             vf.engine.attach_guest(cmd_engine.fileno())

@@ -97,8 +97,14 @@ class Resetter:
             steps.done("scrub")
             vf.flr_count += 1
             if self.guard.record(vf.flr_times, time.monotonic()):
-                vf.last_flr = {"reason": reason, "steps": steps.durations, "total_ms": steps.total_ms}
-                host.vfm.transition(vf, S.QUARANTINED, f"guard {self.guard.count}/{self.guard.window_s:g}s tripped")
+                vf.last_flr = {
+                    "reason": reason,
+                    "steps": steps.durations,
+                    "total_ms": steps.total_ms,
+                }
+                host.vfm.transition(
+                    vf, S.QUARANTINED, f"guard {self.guard.count}/{self.guard.window_s:g}s tripped"
+                )
                 host.events.emit(
                     Category.GUARD, "guard.trip",
                     f"VF{vf.index} quarantined after {len(vf.flr_times)} FLRs within "
@@ -179,4 +185,6 @@ class Resetter:
 
     def clear_guard(self, vf: VF) -> None:
         vf.flr_times.clear()
-        self.host.events.emit(Category.GUARD, "guard.clear", f"guard of VF{vf.index} cleared", vf.index)
+        self.host.events.emit(
+            Category.GUARD, "guard.clear", f"guard of VF{vf.index} cleared", vf.index
+        )

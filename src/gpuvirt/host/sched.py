@@ -24,6 +24,7 @@ below half a slice.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import threading
@@ -388,10 +389,8 @@ class Scheduler:
         if e is self.current:
             self._unwatch_idle(e)
             if e.engine.running and e.engine.alive():
-                try:
+                with contextlib.suppress(DeviceError):
                     e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
-                except DeviceError:
-                    pass
             self.current = None
             self._idle_since = time.monotonic_ns()
         self.on_fault(e.vf, reason, detail)
@@ -440,10 +439,8 @@ class Scheduler:
         if e is self.current:
             self._switch(None)
         elif e.engine.running and e.engine.alive():
-            try:
+            with contextlib.suppress(DeviceError):
                 e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
-            except DeviceError:
-                pass
         self._unwatch_doorbell(e)
         _unregister(self._sel, e.engine.exit_fd())
         if self.exclusive == vf:
@@ -508,7 +505,5 @@ def _drain(fd: int) -> int:
 
 
 def _unregister(sel: selectors.BaseSelector, fd: int) -> None:
-    try:
+    with contextlib.suppress(KeyError, ValueError):
         sel.unregister(fd)
-    except (KeyError, ValueError):
-        pass
