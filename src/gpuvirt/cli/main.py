@@ -20,7 +20,7 @@ app.add_typer(vf.app, name="vf")
 
 def _register_optional() -> None:
     # Each of these modules registers its own commands on `app`.
-    from gpuvirt.cli import bench, demo  # noqa: F401
+    from gpuvirt.cli import bench, demo, events, top  # noqa: F401
 
 
 _register_optional()

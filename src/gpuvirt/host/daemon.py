@@ -427,6 +427,7 @@ class Host:
             "launches_completed": vf.vf2pf.get("launches_completed", 0),
             "netgpu_rx_bytes": vf.vf2pf.get("netgpu_rx_bytes", 0),
             "driver_version": vf.vf2pf.get("driver_version"),
+            "vf2pf_read_at": vf.vf2pf.get("read_at"),
             "flr_count": vf.flr_count,
             "last_flr": vf.last_flr,
             "guard": {
@@ -434,6 +435,7 @@ class Host:
                 "limit": self.resetter.guard.count,
                 "window_s": self.resetter.guard.window_s,
                 "tripped": vf.state == S.QUARANTINED,
+                "trips": vf.guard_trips,
             },
             "vf2pf_untrusted": vf.untrusted,
             "since": vf.since,

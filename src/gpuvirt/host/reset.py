@@ -97,6 +97,7 @@ class Resetter:
             steps.done("scrub")
             vf.flr_count += 1
             if self.guard.record(vf.flr_times, time.monotonic()):
+                vf.guard_trips += 1
                 vf.last_flr = {
                     "reason": reason,
                     "steps": steps.durations,

@@ -64,6 +64,7 @@ class VF:
     conn: Any = None  # the mailbox session bound to this VF, if any
     checksum_key: int = 0
     flr_count: int = 0
+    guard_trips: int = 0
     flr_times: deque[float] = field(default_factory=deque)
     last_flr: dict[str, Any] | None = None
     vf2pf: dict[str, Any] = field(default_factory=dict)
