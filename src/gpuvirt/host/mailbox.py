@@ -146,7 +146,7 @@ class Session:
             Category.MAILBOX, "attach", f"guest pid {self.peer_pid} attached", vf.index,
             pid=self.peer_pid, uid=self.peer_uid,
         )  # fmt: skip
-        self.send(Frame(HostMsg.SUCCESS, vf.index))
+        self.send(Frame(HostMsg.SUCCESS, 0, vf.index))  # ATTACH accepted: DW2 = the VF
         self._tasks.append(asyncio.create_task(self._liveness()))
         return True
 
@@ -196,14 +196,14 @@ class Session:
         elif msg == G.REL_GPU_INIT_ACCESS and vf.state == S.FULLACCESS:
             assert self.doorbell is not None
             await host.activate(vf, self.doorbell)
-            self.send(Frame(HostMsg.SUCCESS))
+            self.send(Frame(HostMsg.SUCCESS, GuestMsg.REL_GPU_INIT_ACCESS))
         elif msg == G.REQ_GPU_FINI_ACCESS and vf.state == S.ACTIVE:
             await host.suspend(vf, "guest fini")
             self.send(Frame(HostMsg.READY_TO_ACCESS_GPU))
         elif msg == G.REL_GPU_FINI_ACCESS and vf.state == S.SUSPEND:
             await host.guest_gone(vf)
             vf.conn = None
-            self.send(Frame(HostMsg.SUCCESS))
+            self.send(Frame(HostMsg.SUCCESS, GuestMsg.REL_GPU_FINI_ACCESS))
             self.close()
         else:
             self.send(Frame(HostMsg.FAIL, FailReason.BAD_STATE, 0, frame.msg))
