@@ -182,7 +182,7 @@ class EngineLoop:
                 status, payload = Status.KERNEL_ERROR, traceback.format_exc().encode()
                 st.bump(Word.FAILED)
             st[Word.CURRENT_SEQ] = 0
-        self._reply(msg.seq, status, payload)
+        self._reply(msg.seq, status, payload, completes=True)
 
     def _views(self, values: Any) -> list[Any]:
         return [self.executor.view(v) if isinstance(v, BufDesc) else v for v in values]
@@ -199,18 +199,24 @@ class EngineLoop:
             status, payload = Status.OK, b""
         except Exception as e:
             status, payload = Status.BAD_REQUEST, str(e).encode()
-        self._reply(msg.seq, status, payload)
+        self._reply(msg.seq, status, payload, completes=True)
 
-    def _reply(self, seq: int, status: Status, payload: bytes) -> None:
-        if self.guest is None:
-            return
+    def _reply(self, seq: int, status: Status, payload: bytes, completes: bool = False) -> None:
         try:
-            self.guest.send(
-                Message(Kind.DONE, seq=seq, flags=status, payload=payload[:150_000]).encode()
-            )
-        except OSError:
-            self._drop_guest()
-            return
+            if self.guest is None:
+                return
+            try:
+                self.guest.send(
+                    Message(Kind.DONE, seq=seq, flags=status, payload=payload[:150_000]).encode()
+                )
+            except OSError:
+                self._drop_guest()
+                return
+        finally:
+            # COMPLETED is published after the reply is on its way (a guest may act on the
+            # count), and before the idle signal, so the scheduler woken by it sees the count.
+            if completes:
+                self.status.bump(Word.COMPLETED)
         if self.status[Word.NOTIFY_IDLE] and not self._more_queued():
             os.eventfd_write(self.idle_fd, 1)
 

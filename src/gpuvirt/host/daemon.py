@@ -31,7 +31,7 @@ from gpuvirt.errors import DeviceError
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.mailbox import Session
 from gpuvirt.host.reset import Resetter
-from gpuvirt.host.sched import Policy, Scheduler
+from gpuvirt.host.sched import Policy, Scheduler, raise_priority
 from gpuvirt.host.vfmgr import VF, VFManager, VFState
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (
@@ -45,6 +45,7 @@ from gpuvirt.protocol.info import (
 
 S = VFState
 SWITCH_INTERVAL_S = 0.0002
+LOOP_PRIORITY = 5  # below the scheduler thread's (sched.RT_PRIORITY)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SHARE_WINDOW = 5  # samples (1 s apart) behind the achieved share
 
@@ -88,8 +89,11 @@ class Host:
         from gpuvirt.host.admin import AdminServer
 
         self.loop = asyncio.get_running_loop()
-        # The scheduler thread needs the GIL promptly when it wakes for a switch.
+        # The scheduler thread needs the GIL promptly when it wakes for a switch: a
+        # shorter switch interval, and the loop thread (which may hold the GIL) real-time
+        # too, below the scheduler, so busy engines cannot keep it off the CPU meanwhile.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+        self.loop_priority = raise_priority(LOOP_PRIORITY)
         self.sched.start()
         self.events.emit(
             Category.HOST, "start",
@@ -104,7 +108,7 @@ class Host:
         self.events.emit(
             Category.HOST, "ready",
             f"mailbox {self.socket_path}, admin {self.admin.where}, scheduler thread at "
-            f"{self.sched.priority}", None,
+            f"{self.sched.priority}, loop at {self.loop_priority}", None,
         )  # fmt: skip
 
     def _listen_mailbox(self) -> socket.socket:

@@ -90,6 +90,8 @@ class SchedStats:
     idle_ns: int = 0  # no VF on the device
     switches: int = 0
     latencies_ns: deque[int] = field(default_factory=lambda: deque(maxlen=100_000))
+    # per world-switch command: durations in ns, for finding where a slow switch went
+    commands_ns: dict[str, deque[int]] = field(default_factory=dict)
 
 
 FaultHandler = Callable[[int, str, str], None]
@@ -307,6 +309,10 @@ class Scheduler:
         if others and cur.pending() == 0:
             os.eventfd_write(self._wake, 1)  # drained before the flag was up
 
+    def _cmd(self, e: Entry, cmd: WSCommand) -> None:
+        took = e.engine.command(cmd, self.cmd_timeout)
+        self.stats.commands_ns.setdefault(cmd.name, deque(maxlen=10_000)).append(int(took * 1e9))
+
     def _switch(self, nxt: Entry | None) -> None:
         t0 = time.monotonic_ns()
         cur = self.current
@@ -314,9 +320,9 @@ class Scheduler:
             self._unwatch_idle(cur)
             if not cur.faulted or cur.engine.running:
                 try:
-                    cur.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
+                    self._cmd(cur, WSCommand.IDLE_GPU)
                     self._end_slice(cur, t0)
-                    cur.engine.command(WSCommand.SAVE_GPU_STATE, self.cmd_timeout)
+                    self._cmd(cur, WSCommand.SAVE_GPU_STATE)
                 except DeviceError as e:
                     self._end_slice(cur, t0)
                     self._fault(cur, "idle_failed", str(e))
@@ -330,8 +336,8 @@ class Scheduler:
         self._idle_since = None
         try:
             if nxt.engine.last == WSCommand.SAVE_GPU_STATE:
-                nxt.engine.command(WSCommand.LOAD_GPU_STATE, self.cmd_timeout)
-            nxt.engine.command(WSCommand.RUN_GPU, self.cmd_timeout)
+                self._cmd(nxt, WSCommand.LOAD_GPU_STATE)
+            self._cmd(nxt, WSCommand.RUN_GPU)
         except DeviceError as e:
             self._fault(nxt, "run_failed", str(e))
             self._idle_since = time.monotonic_ns()
@@ -477,17 +483,19 @@ _DEFERRED = object()
 RT_PRIORITY = 10
 
 
-def raise_priority() -> str:
-    """Put the calling (scheduler) thread ahead of the engines it preempts.
+def raise_priority(priority: int = RT_PRIORITY) -> str:
+    """Put the calling thread ahead of the engines and guests it must preempt.
 
     Engines are CPU-bound; at normal priority the thread that must stop one can
     itself be preempted by the one it just continued and lose milliseconds. A
-    SCHED_FIFO thread is never preempted by them. Without the privilege, a
-    lower nice value; without that, say so (switch latency will show it).
+    SCHED_FIFO thread is never preempted by them. RESET_ON_FORK keeps the
+    processes the host spawns (engines) at normal priority. Without the
+    privilege, a lower nice value; without that, say so (latency will show it).
     """
     try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(RT_PRIORITY))
-        return f"SCHED_FIFO {RT_PRIORITY}"
+        policy = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
+        os.sched_setscheduler(0, policy, os.sched_param(priority))
+        return f"SCHED_FIFO {priority}"
     except (PermissionError, OSError):
         pass
     try:
