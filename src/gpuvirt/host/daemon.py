@@ -190,6 +190,16 @@ class Host:
         vf.engine = engine
         await asyncio.wrap_future(self.sched.add(vf.index, engine, vf.plan.weight))
 
+    async def bring_up(self, vf: VF, reason: str) -> bool:
+        """A fresh engine, then AVAIL; FAILED when the engine does not start."""
+        try:
+            await self.start_engine(vf)
+        except DeviceError as e:
+            self.vfm.transition(vf, S.FAILED, f"engine did not start: {e}")
+            return False
+        self.vfm.transition(vf, S.AVAIL, reason)
+        return True
+
     async def kill_engine(self, vf: VF) -> None:
         if vf.engine is not None:
             engine, vf.engine = vf.engine, None
@@ -213,12 +223,7 @@ class Host:
                 return
             fd = self.device.create_fb(vf.index, vf.fb)
             self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
-            try:
-                await self.start_engine(vf)
-            except DeviceError as e:
-                self.vfm.transition(vf, S.FAILED, f"engine did not start: {e}")
-                return
-            self.vfm.transition(vf, S.AVAIL, "enabled")
+            await self.bring_up(vf, "enabled")
 
     async def disable(self, vf: VF) -> None:
         async with self.lifecycle:
@@ -315,14 +320,8 @@ class Host:
     async def clear_guard(self, vf: VF) -> None:
         async with self.lifecycle:
             self.resetter.clear_guard(vf)
-            if vf.state != S.QUARANTINED:
-                return
-            try:
-                await self.start_engine(vf)
-            except DeviceError as e:
-                self.vfm.transition(vf, S.FAILED, f"engine did not start: {e}")
-                return
-            self.vfm.transition(vf, S.AVAIL, "guard cleared")
+            if vf.state == S.QUARANTINED:
+                await self.bring_up(vf, "guard cleared")
 
     # ---- shared info blocks ----------------------------------------------------------
 

@@ -151,14 +151,8 @@ class Resetter:
             host.device.scrub(vf.index)
         steps.done("kill_scrub")
         for vf in vfs:
-            try:
-                await host.start_engine(vf)
-            except DeviceError as e:
-                host.vfm.transition(vf, S.FAILED, f"engine failed after device reset: {e}")
-                self._send(vf, HostMsg.FLR_NOTIFICATION_COMPLETION)
-                continue
+            await host.bring_up(vf, "device reset complete")
             self._send(vf, HostMsg.FLR_NOTIFICATION_COMPLETION)
-            host.vfm.transition(vf, S.AVAIL, "device reset complete")
         steps.done("restart")
         host.events.emit(
             Category.RESET, "device_reset.done",

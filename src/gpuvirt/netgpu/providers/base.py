@@ -51,7 +51,7 @@ class Provider(ABC):
     def bind(self, pool: Pool) -> None:
         """Make the pool's memory ready to receive into, before any socket is read."""
 
-    def unbind(self, pool: Pool) -> None:  # noqa: B027 - optional: userspace has nothing to undo
+    def unbind(self, pool: Pool) -> None:
         """Undo `bind` when the pool closes."""
 
     @abstractmethod

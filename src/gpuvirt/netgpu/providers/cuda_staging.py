@@ -1,0 +1,169 @@
+"""``cuda-staging``: NetGPU receive where the FB is device memory the guest cannot map.
+
+DESIGN.md: receive into pinned staging chunks, copy asynchronously into the
+VF's device pool, recycle staging chunks when the copy completes, device
+chunks when the app releases the token.
+
+Each read takes a chunk of the VF's staging area (pinned by the engine),
+`recv_into`s it, and commits a COPY_IN of what arrived to the read's place in
+the pool; the engine DMAs it on its stream while the receiver reads the next
+chunk (guest/staging.py, StagedUpload). A staging chunk comes back when its
+copy has completed; a receiver that outruns the copies waits for the oldest
+one, and while it waits it does not read its socket: TCP backpressure. The CPU
+touches the payload once, in the kernel's socket copy into staging; the DMA
+moves it to the device.
+
+What differs from ``userspace`` for the receiver (rx.py): there is no host view
+of the pool, so a read is addressed by FB offset (`reader_at`), bytes the
+receiver already holds go through `write_at`, and a fragment may be handed out
+only once its copy has completed: `committed` numbers each read, `completed()`
+says how many reads have landed in device memory, `flush()` waits for all.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from gpuvirt.guest.staging import StagedFB, StagedUpload, StagingArea
+from gpuvirt.netgpu.errors import NetGPUError
+from gpuvirt.netgpu.providers.base import Provider, Reader
+
+if TYPE_CHECKING:
+    from gpuvirt.guest.client import Gpu
+    from gpuvirt.guest.queue import CommandQueue, LaunchFuture
+    from gpuvirt.netgpu.pool import Pool
+
+ReaderAt = Callable[[int, int], int]
+"""Receive up to nbytes into the FB at fb_offset; return the byte count, 0 at end of stream."""
+
+# One read moves at most this much. Large enough that the per-copy round trip to the
+# engine (tens of µs) is small beside the copy; small enough that several are in flight.
+STAGING_CHUNK = 1 << 20
+MIN_CHUNK = 64 << 10
+MAX_CHUNKS = 8  # copies in flight per pool; more only holds staging other pools could use
+
+
+class CudaStagingProvider(Provider):
+    name = "cuda-staging"
+    placement = "receiver"
+    # Pool memory is device memory: Pool must not ask the FB for a host view of it.
+    mapped: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._up: StagedUpload | None = None
+        self._copies: deque[tuple[int, LaunchFuture]] = deque()  # (commit number, copy)
+        self.committed = 0  # reads whose copy has been started, ever
+        self._completed = 0
+        self.last: Any = None  # staging bytes of the latest read, until the next read (crc)
+
+    @classmethod
+    def probe(cls, gpu: Gpu) -> str | None:
+        fb = getattr(gpu, "_fb", None)
+        if not isinstance(fb, StagedFB):
+            return (
+                "the VF's FB is mapped into this process (emu backend); `userspace` receives "
+                "straight into it without a staging copy"
+            )
+        if fb.staging.free_bytes < 2 * MIN_CHUNK:
+            return (
+                f"the VF's staging area has {fb.staging.free_bytes} bytes free, less than two "
+                f"{MIN_CHUNK}-byte chunks; close other NetGPU pools of this VF"
+            )
+        return None
+
+    # ---- Provider ------------------------------------------------------------------------
+
+    def bind(self, pool: Pool) -> None:
+        gpu = pool._gpu
+        fb = gpu._fb
+        if not isinstance(fb, StagedFB) or gpu._queue is None:
+            raise NetGPUError(f"VF{gpu.vf} has no staging area; cuda-staging cannot serve it")
+        self.attach(fb.staging, gpu._queue, max_chunk=pool.chunk)
+
+    def unbind(self, pool: Pool) -> None:
+        self.detach()
+
+    def reader(self, sock: socket.socket) -> Reader:
+        raise NetGPUError(
+            "cuda-staging has no host view of the pool to recv_into; the receiver must use "
+            "reader_at(sock), which addresses reads by FB offset"
+        )
+
+    # ---- the staging path --------------------------------------------------------------
+
+    def attach(
+        self, staging: StagingArea, queue: CommandQueue, max_chunk: int | None = None
+    ) -> None:
+        """Take a ring of staging chunks for this pool's reads."""
+        free = staging.free_bytes
+        chunk = min(STAGING_CHUNK, max_chunk or STAGING_CHUNK, free // 2)
+        chunk = chunk // 4096 * 4096
+        if chunk < 4096:
+            raise NetGPUError(f"staging area has {free} bytes free; too little to receive through")
+        nchunks = max(2, min(MAX_CHUNKS, free // chunk))
+        self._up = StagedUpload(staging, queue, chunk, nchunks)
+
+    def detach(self) -> None:
+        up, self._up = self._up, None
+        self._copies.clear()
+        if up is not None:
+            up.close()
+
+    def reader_at(self, sock: socket.socket) -> ReaderAt:
+        """recv into staging, then start the copy to fb_offset; the read's number is `committed`."""
+        up = self._upload()
+        copies = self._copies
+
+        def recv_at(fb_offset: int, nbytes: int) -> int:
+            chunk = up.acquire()
+            try:
+                n = sock.recv_into(chunk.array[: min(nbytes, chunk.nbytes)])
+            except BaseException:  # BlockingIOError included: nothing arrived, nothing to copy
+                up.give_back(chunk)
+                raise
+            if not n:
+                up.give_back(chunk)
+                return 0
+            self.last = chunk.array[:n]
+            copies.append((self.committed, up.commit(chunk, fb_offset, n)))
+            self.committed += 1
+            return n
+
+        return recv_at
+
+    def write_at(self, fb_offset: int, data: bytes) -> None:
+        """Place bytes the receiver already holds (auto mode's first bytes) at fb_offset."""
+        up = self._upload()
+        pos = 0
+        while pos < len(data):
+            chunk = up.acquire()
+            k = min(len(data) - pos, chunk.nbytes)
+            chunk.array[:k] = memoryview(data)[pos : pos + k]
+            self._copies.append((self.committed, up.commit(chunk, fb_offset + pos, k)))
+            self.committed += 1
+            pos += k
+
+    def completed(self) -> int:
+        """How many reads (in commit order) are in device memory; never waits."""
+        copies = self._copies
+        while copies and copies[0][1].done():
+            _n, fut = copies.popleft()
+            exc = fut.exception(timeout=0)
+            if exc is not None:
+                raise exc
+            self._completed += 1
+        return self._completed
+
+    def flush(self) -> None:
+        """Wait until every read so far is in device memory."""
+        if self._up is not None:
+            self._up.drain()
+        self.completed()
+
+    def _upload(self) -> StagedUpload:
+        if self._up is None:
+            raise NetGPUError("cuda-staging provider is not bound to a pool")
+        return self._up
