@@ -33,9 +33,11 @@ from typing import Any
 import numpy as np
 
 from gpuvirt.bench.common import Result, Target, scratch_host
+from gpuvirt.protocol.frames import HEADER_SIZE
 
-PATHS = ("zerocopy", "raw", "copy", "zerocopy-framed")
-JUDGED = ("zerocopy", "raw", "copy")
+PATHS = ("zerocopy", "raw", "copy")
+MODES = ("framed", "unframed")
+JUDGED_MODE = "framed"
 STREAMS = (1, 2)
 CHUNK = 1 << 20
 POOL = 64 << 20
@@ -97,40 +99,75 @@ def _sender_main(conn: Any) -> None:
 
 # ---- the receiving paths --------------------------------------------------------------
 
+Payload = Callable[[socket.socket, int, int], int]
+"""Receive up to n payload bytes with these MSG_ flags wherever a path puts them; bytes got."""
 
-def _accept(listener: socket.socket, streams: int) -> list[socket.socket]:
-    return [listener.accept()[0] for _ in range(streams)]
+
+class _Reader:
+    """A baseline's reader for one socket: payload bytes per step, None at the end."""
+
+    def __init__(self, sock: socket.socket, payload: Payload, framed: bool, wait_all: int) -> None:
+        self.sock, self.payload, self.framed, self.flags = sock, payload, framed, wait_all
+        self.hdr = bytearray(HEADER_SIZE)
+        self.hdr_view = memoryview(self.hdr)
+        self.got = 0
+        self.left = 0
+        self.short = False  # the last read got less than it asked for
+
+    def step(self) -> int | None:
+        if not self.framed:
+            n = self.payload(self.sock, CHUNK, 0)
+            self.short = n < CHUNK
+            return n or None
+        if not self.left:  # the least a framed receiver must do: read the header, take its length
+            n = self.sock.recv_into(self.hdr_view[self.got :], 0, self.flags)
+            if not n:
+                return None
+            self.got += n
+            self.short = self.got < HEADER_SIZE
+            if not self.short:
+                self.got = 0
+                self.left = int.from_bytes(self.hdr[16:24], "little")
+            return 0
+        want = min(self.left, CHUNK)
+        n = self.payload(self.sock, want, self.flags)
+        if not n:
+            raise ConnectionError("sender closed mid-message")
+        self.left -= n
+        self.short = n < want
+        return n
 
 
-def _drain(socks: list[socket.socket], step: Callable[[socket.socket], int]) -> int:
-    """Read every socket to its end with `step` (one read; bytes, 0 at EOF); total bytes."""
+def _drain(socks: list[socket.socket], payload: Payload, framed: bool) -> int:
+    """Read every socket to its end as the pool's receiver does (one blocking, several
+    with epoll, reading a socket again only once a read came up short); total payload."""
     total = 0
-    if len(socks) == 1:  # the plain blocking loop
-        s = socks[0]
-        while n := step(s):
+    if len(socks) == 1:
+        r = _Reader(socks[0], payload, framed, socket.MSG_WAITALL)
+        while (n := r.step()) is not None:
             total += n
-        s.close()
+        socks[0].close()
         return total
     ep = select.epoll()
-    live = {s.fileno(): s for s in socks}
+    live = {s.fileno(): _Reader(s, payload, framed, 0) for s in socks}
     for s in socks:
         s.setblocking(False)
         ep.register(s.fileno(), select.EPOLLIN)
     while live:
         for fd, _ in ep.poll():
-            s = live[fd]
-            while True:  # read until it came up short (drained), as the pool's receiver does
+            r = live[fd]
+            while True:
                 try:
-                    n = step(s)
+                    n = r.step()
                 except BlockingIOError:
                     break
-                if not n:
+                if n is None:
                     ep.unregister(fd)
                     del live[fd]
-                    s.close()
+                    r.sock.close()
                     break
                 total += n
-                if n < CHUNK:
+                if r.short:
                     break
     ep.close()
     return total
@@ -144,40 +181,47 @@ class _Paths:
         self.dst = gpu.alloc(CHUNK, np.uint8)  # copy: the device memory copied into
         self.dst.view().fill(0)
 
-    def zerocopy(self, send: Callable[[int, bool], None], streams: int, framed: bool) -> int:
+    def zerocopy(self, send: Callable[[int], None], streams: int, framed: bool) -> int:
         pool = self.pool
         rx = pool.listen(("127.0.0.1", 0), streams=streams, framed=framed, timeout=60)
-        send(rx.address[1], framed)
+        send(rx.address[1])
         release = pool.release
         for frag in rx:
             release([frag.token])
         return rx.bytes
 
-    def raw(self, send: Callable[[int, bool], None], streams: int) -> int:
+    def raw(self, send: Callable[[int], None], streams: int, framed: bool) -> int:
         buf = self.buf
-        with socket.create_server(("127.0.0.1", 0)) as ls:
-            send(ls.getsockname()[1], False)
-            return _drain(_accept(ls, streams), lambda s: s.recv_into(buf))
 
-    def copy(self, send: Callable[[int, bool], None], streams: int) -> int:
+        def payload(s: socket.socket, n: int, flags: int) -> int:
+            return s.recv_into(buf, n, flags)
+
+        return self._baseline(send, streams, framed, payload)
+
+    def copy(self, send: Callable[[int], None], streams: int, framed: bool) -> int:
         dst = self.dst.view()
 
-        def step(s: socket.socket) -> int:
-            data = s.recv(CHUNK)
+        def payload(s: socket.socket, n: int, flags: int) -> int:
+            data = s.recv(n, flags)
             dst[: len(data)] = np.frombuffer(data, np.uint8)
             return len(data)
 
+        return self._baseline(send, streams, framed, payload)
+
+    def _baseline(
+        self, send: Callable[[int], None], streams: int, framed: bool, payload: Payload
+    ) -> int:
         with socket.create_server(("127.0.0.1", 0)) as ls:
-            send(ls.getsockname()[1], False)
-            return _drain(_accept(ls, streams), step)
+            send(ls.getsockname()[1])
+            return _drain([ls.accept()[0] for _ in range(streams)], payload, framed)
 
 
 # ---- the run --------------------------------------------------------------------------
 
 
 def run(quick: bool = False, backend: str = "emu") -> Result:
-    per_trial = (192 if quick else 1024) << 20
-    reps = 3 if quick else 5
+    per_trial = (128 if quick else 512) << 20
+    reps = 3 if quick else 7
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     sender = ctx.Process(target=_sender_main, args=(child,), daemon=True)
@@ -192,12 +236,14 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
                 paths = _Paths(gpu)
                 provider = paths.pool.provider.name
                 for rep in range(reps):
+                    # every order alternates or rotates, so drift and noise hit all alike
                     for streams in STREAMS if rep % 2 == 0 else STREAMS[::-1]:
-                        k = rep % len(PATHS)
-                        for path in PATHS[k:] + PATHS[:k]:
-                            trials.append(
-                                _trial(paths, parent, path, streams, per_trial // streams, rep)
-                            )
+                        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+                            k = rep % len(PATHS)
+                            for path in PATHS[k:] + PATHS[:k]:
+                                trials.append(
+                                    _trial(paths, parent, mode, path, streams, per_trial, rep)
+                                )
             finally:
                 gpu.close()
     finally:
@@ -207,27 +253,25 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
 
 
 def _trial(
-    paths: _Paths, pipe: Any, path: str, streams: int, per_stream: int, rep: int
+    paths: _Paths, pipe: Any, mode: str, path: str, streams: int, nbytes: int, rep: int
 ) -> dict[str, Any]:
-    def send(port: int, framed: bool) -> None:
+    framed = mode == "framed"
+    per_stream = nbytes // streams
+
+    def send(port: int) -> None:
         pipe.send((port, streams, per_stream, framed))
 
     t0, c0 = time.perf_counter(), _cpu_s()
-    if path == "zerocopy":
-        got = paths.zerocopy(send, streams, framed=False)
-    elif path == "zerocopy-framed":
-        got = paths.zerocopy(send, streams, framed=True)
-    elif path == "raw":
-        got = paths.raw(send, streams)
-    else:
-        got = paths.copy(send, streams)
+    got = getattr(paths, path)(send, streams, framed)
     seconds, cpu = time.perf_counter() - t0, _cpu_s() - c0
     errors = pipe.recv()
     if errors or got != per_stream * streams:
-        raise RuntimeError(f"bench netgpu {path}: got {got} of {per_stream * streams} B {errors}")
+        raise RuntimeError(
+            f"bench netgpu {mode} {path}: got {got} of {per_stream * streams} B {errors}"
+        )
     gb = got / 1e9
     return {
-        "path": path, "streams": streams, "rep": rep,
+        "mode": mode, "path": path, "streams": streams, "rep": rep,
         "gbytes_per_s": gb / seconds, "cpu_s_per_gb": cpu / gb,
     }  # fmt: skip
 
@@ -235,48 +279,55 @@ def _trial(
 def _result(
     trials: list[dict[str, Any]], backend: str, per_trial: int, reps: int, provider: str
 ) -> Result:
-    def pick(path: str, streams: int, key: str) -> list[float]:
-        return [t[key] for t in trials if t["path"] == path and t["streams"] == streams]
-
-    def ratio(streams: int, key: str) -> float:
-        # within each repetition first: neighbouring trials share the machine's mood
-        by_rep = {
-            t["rep"]: t[key] for t in trials if t["path"] == "raw" and t["streams"] == streams
-        }
-        return statistics.median(
-            t[key] / by_rep[t["rep"]]
+    def pick(mode: str, path: str, streams: int, key: str) -> list[float]:
+        return [
+            t[key]
             for t in trials
-            if t["path"] == "zerocopy" and t["streams"] == streams
-        )
+            if t["mode"] == mode and t["path"] == path and t["streams"] == streams
+        ]
+
+    def ratio(mode: str, streams: int, key: str) -> float:
+        # within each repetition first: neighbouring trials share the machine's mood
+        zc, raw = pick(mode, "zerocopy", streams, key), pick(mode, "raw", streams, key)
+        return statistics.median(z / r for z, r in zip(zc, raw, strict=True))
 
     rows = [
         {
+            "mode": mode,
             "path": path,
-            "streams": s,
-            "gbytes_per_s": round(statistics.median(pick(path, s, "gbytes_per_s")), 3),
-            "cpu_s_per_gb": round(statistics.median(pick(path, s, "cpu_s_per_gb")), 4),
+            "streams": n,
+            "gbytes_per_s": round(statistics.median(pick(mode, path, n, "gbytes_per_s")), 3),
+            "cpu_s_per_gb": round(statistics.median(pick(mode, path, n, "cpu_s_per_gb")), 4),
         }
-        for s in STREAMS
+        for mode in MODES
+        for n in STREAMS
         for path in PATHS
     ]
-    per_streams = {
-        s: {
-            "throughput_ratio": round(ratio(s, "gbytes_per_s"), 3),
-            "cpu_ratio": round(ratio(s, "cpu_s_per_gb"), 3),
+    by_mode = {
+        mode: {
+            str(n): {
+                "throughput_ratio": round(ratio(mode, n, "gbytes_per_s"), 3),
+                "cpu_ratio": round(ratio(mode, n, "cpu_s_per_gb"), 3),
+            }
+            for n in STREAMS
         }
-        for s in STREAMS
+        for mode in MODES
     }
-    # the worse stream count is the one judged
-    throughput_ratio = min(v["throughput_ratio"] for v in per_streams.values())
-    cpu_ratio = max(v["cpu_ratio"] for v in per_streams.values())
-    table = [
-        (f"{r['path']} · {r['streams']} stream{'s' if r['streams'] > 1 else ''}", v, unit)
-        for r in rows
-        for v, unit in ((r["gbytes_per_s"], "GB/s"), (r["cpu_s_per_gb"], "CPU s/GB"))
-    ]
-    for s, v in per_streams.items():
-        table.append((f"zerocopy/raw throughput · {s} stream(s)", v["throughput_ratio"], "×"))
-        table.append((f"zerocopy/raw CPU per GB · {s} stream(s)", v["cpu_ratio"], "×"))
+    # judged: NetGPU's own protocol (framed), the worse of 1 and 2 streams
+    judged = by_mode[JUDGED_MODE].values()
+    throughput_ratio = min(v["throughput_ratio"] for v in judged)
+    cpu_ratio = max(v["cpu_ratio"] for v in judged)
+    table: list[tuple[str, Any, str]] = []
+    for r in rows:
+        what = f"{r['mode']} {r['path']} · {r['streams']} stream{'s' if r['streams'] > 1 else ''}"
+        table.append((what, r["gbytes_per_s"], "GB/s"))
+        table.append((what, r["cpu_s_per_gb"], "CPU s/GB"))
+    for mode, by_n in by_mode.items():
+        for n, v in by_n.items():
+            table.append(
+                (f"{mode} zerocopy/raw throughput · {n} stream(s)", v["throughput_ratio"], "×")
+            )
+            table.append((f"{mode} zerocopy/raw CPU per GB · {n} stream(s)", v["cpu_ratio"], "×"))
     return Result(
         bench="netgpu",
         backend=backend,
@@ -284,7 +335,8 @@ def _result(
             "rows": rows,
             "throughput_ratio": throughput_ratio,
             "cpu_ratio": cpu_ratio,
-            "by_streams": per_streams,
+            "judged_mode": JUDGED_MODE,
+            "by_mode": by_mode,
             "provider": provider,
             "bytes_per_trial": per_trial,
             "repetitions": reps,
@@ -295,22 +347,25 @@ def _result(
         ],
         rows=table,
         notes=[
-            f"loopback TCP, {per_trial >> 20} MiB per trial, {reps} repetitions, path order "
-            f"rotated each repetition; pool {POOL >> 20} MiB of {CHUNK >> 20} MiB chunks; "
-            f"provider {provider}; {os.cpu_count()} CPUs",
+            f"loopback TCP, {per_trial >> 20} MiB per trial, {reps} repetitions, orders "
+            f"alternated and rotated; pool {POOL >> 20} MiB of {CHUNK >> 20} MiB chunks; "
+            f"framed messages {MESSAGE >> 20} MiB; provider {provider}; {os.cpu_count()} CPUs",
             "CPU = the receiving process's user+system time (getrusage) per GB; the sender "
             "is another process",
-            "ratios: zerocopy over raw within each repetition, median across repetitions, "
-            "worse of 1 and 2 streams",
+            "ratios: zerocopy over raw within each repetition, median across repetitions; "
+            "targets judge framed mode, the worse of 1 and 2 streams",
         ],
         series={
-            path: {
-                str(s): {
-                    "gbytes_per_s": pick(path, s, "gbytes_per_s"),
-                    "cpu_s_per_gb": pick(path, s, "cpu_s_per_gb"),
+            mode: {
+                path: {
+                    str(n): {
+                        "gbytes_per_s": pick(mode, path, n, "gbytes_per_s"),
+                        "cpu_s_per_gb": pick(mode, path, n, "cpu_s_per_gb"),
+                    }
+                    for n in STREAMS
                 }
-                for s in STREAMS
+                for path in PATHS
             }
-            for path in PATHS
+            for mode in MODES
         },
     )

@@ -19,7 +19,9 @@ from gpuvirt.bench.common import Result, Target, percentile, scratch_host
 from gpuvirt.bench.workers import Workers, busy_guest
 from gpuvirt.host.process import HostProcess
 
-KERNEL_S = 0.05  # each busy kernel's wall length; many slices per kernel
+# Each busy kernel's wall length. emu preempts mid-kernel, so kernels may span many
+# slices; cuda switches only at kernel boundaries, so its kernels must be shorter than one.
+KERNEL_S = {"emu": 0.05, "cuda": 0.001}
 SLICE_MS = 6
 
 
@@ -28,12 +30,16 @@ def jain(xs: list[float]) -> float:
 
 
 def busy_window(
-    hp: HostProcess, vfs: list[int], seconds: float, sample_every: float = 0.0
+    hp: HostProcess,
+    vfs: list[int],
+    seconds: float,
+    sample_every: float = 0.0,
+    kernel_s: float = 0.05,
 ) -> dict[str, Any]:
     """Keep `vfs` busy for `seconds`; scheduler snapshots at both ends (and between)."""
     with Workers() as w:
         for vf in vfs:
-            w.start(busy_guest, str(hp.socket), vf, hp.token(vf), KERNEL_S)
+            w.start(busy_guest, str(hp.socket), vf, hp.token(vf), kernel_s)
         w.wait_ready()
         first = hp.admin.request("GET", "/sched")
         samples = [first]
@@ -81,13 +87,14 @@ def shares_over_time(samples: list[dict[str, Any]], vfs: list[int]) -> dict[str,
 
 def run(quick: bool = False, backend: str = "emu") -> Result:
     switch_s, weighted_s, equal_s = (2.0, 3.0, 2.0) if quick else (5.0, 10.0, 5.0)
+    kernel_s = KERNEL_S.get(backend, 0.05)
     dev = {"backend": backend, "fb_total": "2GiB", "pf_fb": "64MiB"}
     sched = {"policy": "liquid", "time_slice_ms": SLICE_MS}
 
     # 1. switching: 8 busy VFs against one VF alone
     with scratch_host(device=dev, sriov={"vf_num": 8}, scheduler=sched) as hp:
-        alone = busy_window(hp, [0], switch_s)
-        eight = busy_window(hp, list(range(8)), switch_s)
+        alone = busy_window(hp, [0], switch_s, kernel_s=kernel_s)
+        eight = busy_window(hp, list(range(8)), switch_s, kernel_s=kernel_s)
     lat_us = [x / 1e3 for x in eight["latencies_ns"]]
     lost_pct = 100 * eight["lost_ns"] / eight["span_ns"]
     rate_alone = sum(r.work for r in alone["reports"]) / alone["span_ns"]
@@ -99,14 +106,14 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     vfcfg = [{"index": i, "weight": w} for i, w in enumerate(weights)]
     wsched = {**sched, "policy": "weighted"}
     with scratch_host(device=dev, sriov={"vf_num": 4}, scheduler=wsched, vf=vfcfg) as hp:
-        wwin = busy_window(hp, [0, 1, 2, 3], weighted_s, sample_every=0.5)
+        wwin = busy_window(hp, [0, 1, 2, 3], weighted_s, sample_every=0.5, kernel_s=kernel_s)
     achieved = shares(wwin, [0, 1, 2, 3])
     configured = {i: w / sum(weights) for i, w in enumerate(weights)}
     err_pp = {i: 100 * abs(achieved[i] - configured[i]) for i in configured}
 
     # 3. equal weights
     with scratch_host(device=dev, sriov={"vf_num": 4}, scheduler=wsched) as hp:
-        ewin = busy_window(hp, [0, 1, 2, 3], equal_s)
+        ewin = busy_window(hp, [0, 1, 2, 3], equal_s, kernel_s=kernel_s)
     eq = shares(ewin, [0, 1, 2, 3])
     jain_equal = jain(list(eq.values()))
 

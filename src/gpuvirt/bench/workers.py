@@ -25,8 +25,17 @@ def spin(xp: Any, seconds: float) -> int:
     return n
 
 
+SPIN_FOREVER = r"""
+extern "C" __global__ void spin_forever(volatile int *flag) { while (*flag == 0) { } }
+"""  # volatile: without it the compiler may drop the loop
+
+
 def hang(xp: Any) -> None:
-    """A kernel that never ends."""
+    """A kernel that never ends: a Python loop on emu, a CUDA kernel on cuda."""
+    if xp.__name__ == "cupy":
+        flag = xp.zeros(1, dtype=xp.int32)
+        xp.RawKernel(SPIN_FOREVER, "spin_forever")((1,), (1,), (flag,))
+        xp.cuda.get_current_stream().synchronize()
     while True:
         pass
 

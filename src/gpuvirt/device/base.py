@@ -63,6 +63,10 @@ class EngineSpec:
 class Engine(abc.ABC):
     """One VF's executor. Subclasses implement the _do_* steps; ordering is enforced here."""
 
+    # Cooperative engines stop at kernel boundaries: the wait for IDLE's acknowledgement
+    # is the outgoing VF's own time (its kernel is still running), not switch overhead.
+    cooperative = False
+
     def __init__(self, spec: EngineSpec, status: StatusArea) -> None:
         self.spec = spec
         self.status = status

@@ -35,7 +35,7 @@ from gpuvirt.device.engine import CTL_EXIT, CTL_GUEST
 from gpuvirt.device.status import StatusArea
 from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.command import BufDesc, Copy
-from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU
+from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU, PF2VF_OFFSET, RESERVED_SIZE
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -254,10 +254,33 @@ class EmuExecutor:
         flat = np.frombuffer(self.fb, dtype=desc.dtype, count=count, offset=desc.offset)
         return flat.reshape(desc.shape)
 
+    # The guest maps an emu FB and needs no staging; these copies let the staged path
+    # (guest/staging.py, the cuda backend's) run on emu too. The staging area is the
+    # unused first 64 KiB of the FB's reserved head (the info blocks start at 64 KiB).
     def copy_in(self, copy: Copy) -> None:
-        raise ValueError("emu FBs are mapped by the guest; no staging copies")
+        fb = self._copy_range(copy)
+        fb[copy.fb_offset : copy.fb_offset + copy.nbytes] = fb[
+            copy.staging_offset : copy.staging_offset + copy.nbytes
+        ]
 
-    copy_out = copy_in
+    def copy_out(self, copy: Copy) -> None:
+        fb = self._copy_range(copy)
+        fb[copy.staging_offset : copy.staging_offset + copy.nbytes] = fb[
+            copy.fb_offset : copy.fb_offset + copy.nbytes
+        ]
+
+    def _copy_range(self, copy: Copy) -> np.ndarray:
+        if copy.staging_offset + copy.nbytes > PF2VF_OFFSET:
+            raise ValueError(
+                f"copy of {copy.nbytes} bytes at staging offset {copy.staging_offset} is "
+                f"outside emu's staging area [0, {PF2VF_OFFSET})"
+            )
+        if copy.fb_offset < RESERVED_SIZE or copy.fb_offset + copy.nbytes > self.size:
+            raise ValueError(
+                f"copy of {copy.nbytes} bytes at FB offset {copy.fb_offset} is outside the "
+                f"FB past its reserved head [{RESERVED_SIZE}, {self.size})"
+            )
+        return np.frombuffer(self.fb, dtype=np.uint8)
 
     def synchronize(self) -> None:
         pass

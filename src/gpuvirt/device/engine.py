@@ -207,7 +207,7 @@ class EngineLoop:
                 return
             try:
                 self.guest.send(
-                    Message(Kind.DONE, seq=seq, flags=status, payload=payload[:150_000]).encode()
+                    Message(Kind.DONE, seq=seq, flags=status, payload=payload[:MAX_RESULT]).encode()
                 )
             except OSError:
                 self._drop_guest()

@@ -35,10 +35,12 @@ from gpuvirt.errors import (
 )
 from gpuvirt.guest.memory import Allocator, Buffer, MappedFB
 from gpuvirt.guest.queue import CommandQueue, Kernel, LaunchFuture, kernel
+from gpuvirt.guest.staging import StagedFB, StagingArea
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (
     BLOCK_SIZE,
     FEATURE_FB_MAPPED,
+    FEATURE_STAGING,
     PF2VF,
     PF2VF_OFFSET,
     VF2PF,
@@ -247,12 +249,18 @@ class Gpu:
                 )
             except ProtocolError as e:
                 raise DetachedError(f"PF2VF block is bad ({e}); refusing to start") from None
-            if not info.feature_flags & FEATURE_FB_MAPPED:
-                raise GpuvirtError("this guest library needs a mapped FB (emu backend)")
+            if not info.feature_flags & (FEATURE_FB_MAPPED | FEATURE_STAGING):
+                raise GpuvirtError(
+                    f"PF2VF feature flags 0x{info.feature_flags:x} offer neither a mapped FB "
+                    "nor a staging area; this guest library cannot reach the VF's memory"
+                )
             self.info = info
-            self._fb = MappedFB(self._mem, info.fb_size)
             self._allocator = Allocator.for_fb(info.fb_size)
             self._queue = CommandQueue(socket.socket(fileno=channel), doorbell)
+            if info.feature_flags & FEATURE_FB_MAPPED:
+                self._fb = MappedFB(self._mem, info.fb_size)
+            else:  # the FB is device memory (cuda): data goes through the staging area
+                self._fb = StagedFB(StagingArea.of_aperture(self._mem), self._queue, info.fb_size)
             fds = [fd for fd in fds if fd not in (channel, doorbell)]
         finally:
             for fd in fds:

@@ -201,7 +201,13 @@ class Scheduler:
             if self.current is not None:
                 self._check_kernel(self.current, now)
             cur = self.current
-            if self._repick or cur is None or now >= slice_end or self._should_yield(cur):
+            if (
+                self._repick
+                or cur is None
+                or now >= slice_end
+                or self._should_yield(cur)
+                or self._should_preempt(cur, now)
+            ):
                 self._repick = False
                 nxt = self._pick()
                 if nxt is not cur:
@@ -280,7 +286,7 @@ class Scheduler:
             floor = min((e.vtime for e in cands if e.candidate), default=None)
             for e in self.entries.values():
                 if e in cands and not e.candidate and floor is not None:
-                    e.vtime = max(e.vtime, floor)  # no banking of credit while idle
+                    e.vtime = self._returning_vtime(e, floor)
                 e.candidate = e in cands
             return min(cands, key=lambda e: (e.vtime, e.vf))
         order = sorted(cands, key=lambda e: e.vf)
@@ -295,6 +301,27 @@ class Scheduler:
         if not cur.engine.status[Word.NOTIFY_IDLE]:
             return False
         return cur.pending() == 0
+
+    def _returning_vtime(self, e: Entry, floor: float) -> float:
+        """A VF that comes back with work keeps at most one slice of lag: a short gap
+        between two launches costs it nothing, a long idle period banks no credit."""
+        return max(e.vtime, floor - self.slice_ns / e.weight)
+
+    def _should_preempt(self, cur: Entry, now: int) -> bool:
+        """weighted: a VF with work that is behind the running one by more than half a
+        slice of its own takes the device now (CFS-style wakeup preemption). Otherwise a
+        busy VF whose next launch lands just after a pick waits out a whole slice of a
+        VF ahead of it, and loses share at every gap between its kernels."""
+        if self.policy is not Policy.WEIGHTED or self.exclusive is not None:
+            return False
+        cur_v = cur.vtime + (now - cur.run_start) / cur.weight
+        for e in self.entries.values():
+            if e is cur or not e.has_guest or e.faulted or e.pending() == 0:
+                continue
+            v = e.vtime if e.candidate else self._returning_vtime(e, cur.vtime)
+            if v + self.slice_ns / (2 * e.weight) < cur_v:
+                return True
+        return False
 
     def _arm_idle_notify(self) -> None:
         """Ask the running engine to signal when it drains, only while someone waits."""
@@ -321,6 +348,8 @@ class Scheduler:
             if not cur.faulted or cur.engine.running:
                 try:
                     self._cmd(cur, WSCommand.IDLE_GPU)
+                    if cur.engine.cooperative:
+                        t0 = time.monotonic_ns()
                     self._end_slice(cur, t0)
                     self._cmd(cur, WSCommand.SAVE_GPU_STATE)
                 except DeviceError as e:
