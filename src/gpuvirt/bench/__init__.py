@@ -10,4 +10,5 @@ SUITES: dict[str, str] = {
     "sched": "gpuvirt.bench.sched",
     "flr": "gpuvirt.bench.flr",
     "netgpu": "gpuvirt.bench.netgpu",
+    "scale": "gpuvirt.bench.scale",
 }

@@ -341,37 +341,43 @@ class Scheduler:
         self.stats.commands_ns.setdefault(cmd.name, deque(maxlen=10_000)).append(int(took * 1e9))
 
     def _switch(self, nxt: Entry | None) -> None:
+        """IDLE(cur) SAVE(cur) LOAD(nxt) RUN(nxt); bookkeeping only once nxt runs."""
         t0 = time.monotonic_ns()
         cur = self.current
+        idle_error = run_error = None
+        if cur is not None and (not cur.faulted or cur.engine.running):
+            try:
+                self._cmd(cur, WSCommand.IDLE_GPU)
+                if cur.engine.cooperative:
+                    t0 = time.monotonic_ns()
+                self._cmd(cur, WSCommand.SAVE_GPU_STATE)
+            except DeviceError as e:
+                idle_error = e
+        if nxt is not None:
+            try:
+                if nxt.engine.last == WSCommand.SAVE_GPU_STATE:
+                    self._cmd(nxt, WSCommand.LOAD_GPU_STATE)
+                self._cmd(nxt, WSCommand.RUN_GPU)
+            except DeviceError as e:
+                run_error = e
+        t1 = time.monotonic_ns()
+
         if cur is not None:
-            self._unwatch_idle(cur)
-            if not cur.faulted or cur.engine.running:
-                try:
-                    self._cmd(cur, WSCommand.IDLE_GPU)
-                    if cur.engine.cooperative:
-                        t0 = time.monotonic_ns()
-                    self._end_slice(cur, t0)
-                    self._cmd(cur, WSCommand.SAVE_GPU_STATE)
-                except DeviceError as e:
-                    self._end_slice(cur, t0)
-                    self._fault(cur, "idle_failed", str(e))
-            self._watch_doorbell(cur)
             self.current = None
+            self._unwatch_idle(cur)
+            self._end_slice(cur, t0)
+            if idle_error is not None:
+                self._fault(cur, "idle_failed", str(idle_error))
+            else:
+                self._watch_doorbell(cur)
         elif self._idle_since is not None:
             self.stats.idle_ns += t0 - self._idle_since
-        if nxt is None:
+        if nxt is None or run_error is not None:
+            if nxt is not None:
+                self._fault(nxt, "run_failed", str(run_error))
             self._idle_since = time.monotonic_ns()
             return
         self._idle_since = None
-        try:
-            if nxt.engine.last == WSCommand.SAVE_GPU_STATE:
-                self._cmd(nxt, WSCommand.LOAD_GPU_STATE)
-            self._cmd(nxt, WSCommand.RUN_GPU)
-        except DeviceError as e:
-            self._fault(nxt, "run_failed", str(e))
-            self._idle_since = time.monotonic_ns()
-            return
-        t1 = time.monotonic_ns()
         if cur is not None:
             self.stats.latencies_ns.append(t1 - t0)
             self.stats.switches += 1
