@@ -290,3 +290,19 @@ def test_enable_and_disable_while_another_vf_works(make_host: MakeHost) -> None:
         t.join(30)
     assert not errors and done
     assert hp.admin.vf(0)["flr_count"] == 0
+
+
+def test_a_view_kept_past_detach_never_reaches_the_next_tenant(make_host: MakeHost) -> None:
+    hp = make_host()
+    first = gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0))
+    kept = first.alloc(1 << 20, np.uint8).view()  # numpy view: keeps the mapping alive
+    kept[:] = 1
+    after = last_seq(hp)
+    first.close()
+    wait_event(hp, lambda e: e["vf"] == 0 and e["data"].get("new") == "AVAIL", after=after)
+    with gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as second:
+        mine = second.alloc(1 << 20, np.uint8)  # same offset as the first tenant's buffer
+        mine.write(np.full(1 << 20, 0xEE, np.uint8))
+        assert not kept.any()  # the old mapping sees scrubbed memory, not the new tenant
+        kept[:] = 7  # and writing through it changes nothing the new tenant can see
+        assert (mine.read() == 0xEE).all()

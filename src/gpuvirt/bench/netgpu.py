@@ -25,7 +25,6 @@ import resource
 import select
 import socket
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from gpuvirt.bench.common import Result, Target, scratch_host
+from gpuvirt.errors import GpuvirtError
 from gpuvirt.protocol.frames import HEADER_SIZE
 
 PATHS = ("zerocopy", "raw", "copy")
@@ -43,6 +43,7 @@ CHUNK = 1 << 20
 POOL = 64 << 20
 MESSAGE = 1 << 20  # framed path's message size
 SEND_BLOCK = 4 << 20
+WARMUP = 32 << 20
 TARGET_THROUGHPUT = 0.95
 TARGET_CPU = 1.1
 
@@ -56,45 +57,67 @@ def _cpu_s() -> float:
 
 
 def _sender_main(conn: Any) -> None:
-    from gpuvirt.protocol.frames import Header
-
+    """Serve send jobs: (port, streams, bytes per stream, framed) → errors (a list)."""
     data = memoryview(np.random.default_rng(1).bytes(SEND_BLOCK))
     while True:
         job = conn.recv()
         if job is None:
             return
         port, streams, per_stream, framed = job
-        errors: list[str] = []  # appended to by the stream threads, read after they end
-        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+        try:
+            _send_all(data, port, streams, per_stream, framed)
+            conn.send([])
+        except OSError as e:
+            conn.send([f"{type(e).__name__}: {e}"])
 
-        def send(
-            i: int, s: socket.socket, per_stream: int = per_stream, framed: bool = framed
-        ) -> None:
-            try:
-                sent, seq = 0, 0
-                while sent < per_stream:
-                    n = min(MESSAGE if framed else SEND_BLOCK, per_stream - sent)
-                    part = data[:n]
-                    if framed:
-                        s.sendmsg([Header(i, seq, n).encode(), part])  # small: sent whole
-                        seq += 1
-                    else:
-                        s.sendall(part)
-                    sent += n
-                s.shutdown(socket.SHUT_WR)
-                while s.recv(4096):
-                    pass
-            except OSError as e:
-                errors.append(f"stream {i}: {e}")  # noqa: B023 - joined before the next job
-            finally:
-                s.close()
 
-        threads = [threading.Thread(target=send, args=(i, s)) for i, s in enumerate(socks)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        conn.send(errors)
+def _send_all(data: memoryview, port: int, streams: int, per_stream: int, framed: bool) -> None:
+    """One thread, all streams: with two cores, a sender thread per stream would make the
+    receiver share a core with one of them, and the measurement with it."""
+    from gpuvirt.protocol.frames import Header
+
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+    ep = select.epoll()
+    state: dict[int, list[Any]] = {}  # fd → [socket, stream, bytes sent, seq, pending views]
+    for i, s in enumerate(socks):
+        s.setblocking(False)
+        ep.register(s.fileno(), select.EPOLLOUT)
+        state[s.fileno()] = [s, i, 0, 0, []]
+    while state:
+        for fd, _ in ep.poll():
+            st = state[fd]
+            s, i = st[0], st[1]
+            while True:
+                if not st[4]:  # next message (or block) to send
+                    n = min(MESSAGE if framed else SEND_BLOCK, per_stream - st[2])
+                    if not n:
+                        s.shutdown(socket.SHUT_WR)
+                        ep.unregister(fd)
+                        s.setblocking(True)
+                        while s.recv(4096):  # until the receiver has it all and closes
+                            pass
+                        s.close()
+                        del state[fd]
+                        break
+                    st[4] = (
+                        [memoryview(Header(i, st[3], n).encode()), data[:n]]
+                        if framed
+                        else [data[:n]]
+                    )
+                    st[2] += n
+                    st[3] += 1
+                try:
+                    sent = s.sendmsg(st[4])
+                except BlockingIOError:
+                    break
+                views = st[4]
+                while views and sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                if views:
+                    views[0] = views[0][sent:]
+                    break
+    ep.close()
 
 
 # ---- the receiving paths --------------------------------------------------------------
@@ -138,18 +161,18 @@ class _Reader:
         return n
 
 
-def _drain(socks: list[socket.socket], payload: Payload, framed: bool) -> int:
+def _drain(socks: list[socket.socket], payloads: list[Payload], framed: bool) -> int:
     """Read every socket to its end as the pool's receiver does (one blocking, several
     with epoll, reading a socket again only once a read came up short); total payload."""
     total = 0
     if len(socks) == 1:
-        r = _Reader(socks[0], payload, framed, socket.MSG_WAITALL)
+        r = _Reader(socks[0], payloads[0], framed, socket.MSG_WAITALL)
         while (n := r.step()) is not None:
             total += n
         socks[0].close()
         return total
     ep = select.epoll()
-    live = {s.fileno(): _Reader(s, payload, framed, 0) for s in socks}
+    live = {s.fileno(): _Reader(s, p, framed, 0) for s, p in zip(socks, payloads, strict=True)}
     for s in socks:
         s.setblocking(False)
         ep.register(s.fileno(), select.EPOLLIN)
@@ -177,9 +200,11 @@ class _Paths:
     def __init__(self, gpu: Any) -> None:
         self.gpu = gpu
         self.pool = gpu.netgpu.pool(nbytes=POOL, chunk=CHUNK)
-        self.buf = memoryview(bytearray(CHUNK))  # raw: host memory, preallocated
-        self.dst = gpu.alloc(CHUNK, np.uint8)  # copy: the device memory copied into
-        self.dst.view().fill(0)
+        # per stream, as any receiver keeps its streams apart (and as the pool does)
+        self.bufs = [memoryview(bytearray(CHUNK)) for _ in STREAMS]  # raw: host memory
+        self.dsts = [gpu.alloc(CHUNK, np.uint8).view() for _ in STREAMS]  # copy: into the FB
+        for d in self.dsts:
+            d.fill(0)
 
     def zerocopy(self, send: Callable[[int], None], streams: int, framed: bool) -> int:
         pool = self.pool
@@ -191,37 +216,40 @@ class _Paths:
         return rx.bytes
 
     def raw(self, send: Callable[[int], None], streams: int, framed: bool) -> int:
-        buf = self.buf
+        def payload(buf: memoryview) -> Payload:
+            return lambda s, n, flags: s.recv_into(buf, n, flags)
 
-        def payload(s: socket.socket, n: int, flags: int) -> int:
-            return s.recv_into(buf, n, flags)
-
-        return self._baseline(send, streams, framed, payload)
+        return self._baseline(send, framed, [payload(b) for b in self.bufs[:streams]])
 
     def copy(self, send: Callable[[int], None], streams: int, framed: bool) -> int:
-        dst = self.dst.view()
+        def payload(dst: np.ndarray) -> Payload:
+            def recv_copy(s: socket.socket, n: int, flags: int) -> int:
+                data = s.recv(n, flags)
+                dst[: len(data)] = np.frombuffer(data, np.uint8)
+                return len(data)
 
-        def payload(s: socket.socket, n: int, flags: int) -> int:
-            data = s.recv(n, flags)
-            dst[: len(data)] = np.frombuffer(data, np.uint8)
-            return len(data)
+            return recv_copy
 
-        return self._baseline(send, streams, framed, payload)
+        return self._baseline(send, framed, [payload(d) for d in self.dsts[:streams]])
 
-    def _baseline(
-        self, send: Callable[[int], None], streams: int, framed: bool, payload: Payload
-    ) -> int:
+    def _baseline(self, send: Callable[[int], None], framed: bool, payloads: list[Payload]) -> int:
         with socket.create_server(("127.0.0.1", 0)) as ls:
             send(ls.getsockname()[1])
-            return _drain([ls.accept()[0] for _ in range(streams)], payload, framed)
+            return _drain([ls.accept()[0] for _ in payloads], payloads, framed)
 
 
 # ---- the run --------------------------------------------------------------------------
 
 
 def run(quick: bool = False, backend: str = "emu") -> Result:
-    per_trial = (128 if quick else 512) << 20
-    reps = 3 if quick else 7
+    if backend != "emu":
+        raise GpuvirtError(
+            f"bench netgpu --backend {backend}: NetGPU's userspace provider needs a guest-mapped "
+            "FB (emu); the cuda staging path is not built yet"
+        )
+    # big enough that setting up a receive (listen, accept, epoll) is noise beside it
+    per_trial = (256 if quick else 512) << 20
+    reps = 5 if quick else 9
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     sender = ctx.Process(target=_sender_main, args=(child,), daemon=True)
@@ -235,6 +263,10 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             try:
                 paths = _Paths(gpu)
                 provider = paths.pool.provider.name
+                for streams in STREAMS:  # warm-up, not counted: first-use costs of every path
+                    for mode in MODES:
+                        for path in PATHS:
+                            _trial(paths, parent, mode, path, streams, WARMUP, -1)
                 for rep in range(reps):
                     # every order alternates or rotates, so drift and noise hit all alike
                     for streams in STREAMS if rep % 2 == 0 else STREAMS[::-1]:

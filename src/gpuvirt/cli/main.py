@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from gpuvirt.cli import vf
+from gpuvirt.cli import netgpu, vf
 from gpuvirt.cli.host_cmd import host
 
 app = typer.Typer(
@@ -16,6 +16,7 @@ app = typer.Typer(
 )
 app.command()(host)
 app.add_typer(vf.app, name="vf")
+app.add_typer(netgpu.app, name="netgpu")
 
 
 def _register_optional() -> None:

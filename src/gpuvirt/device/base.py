@@ -201,6 +201,26 @@ class Device(abc.ABC):
         """Zero the VF's whole FB. Only called while no engine has it mapped for a guest."""
 
     @abc.abstractmethod
+    def fb_size(self, vf: int) -> int:
+        """The VF's FB size in bytes."""
+
+    @abc.abstractmethod
+    def destroy_fb(self, vf: int) -> None:
+        """Drop the VF's FB (the VF is being disabled)."""
+
+    def renew_fb(self, vf: int) -> int:
+        """Scrub the VF's FB and give it a new identity (fd) for the next tenant.
+
+        numpy views can keep a detached guest's mapping of the old FB alive after it
+        closed; that mapping then reaches only the scrubbed old memory, never what the
+        next tenant writes. Called only while no engine runs on the FB.
+        """
+        size = self.fb_size(vf)
+        self.scrub(vf)
+        self.destroy_fb(vf)
+        return self.create_fb(vf, size)
+
+    @abc.abstractmethod
     def fb_resident(self, vf: int) -> int:
         """Bytes of the VF's FB that hold memory now (touched and not scrubbed)."""
 

@@ -380,6 +380,9 @@ class CudaDevice(Device):
             return 0
         return self._apertures[vf][1]
 
+    def fb_size(self, vf: int) -> int:
+        return self._apertures[vf][1]
+
     def new_engine(self, spec: EngineSpec) -> Engine:
         fd = self._apertures[spec.vf][0]
         engine = CoopEngine(spec, fd, "cuda", self._faults.should_fail(spec.vf))

@@ -215,6 +215,9 @@ class EmuDevice(Device):
     def fb_resident(self, vf: int) -> int:
         return os.fstat(self._fbs[vf][0]).st_blocks * 512
 
+    def fb_size(self, vf: int) -> int:
+        return self._fbs[vf][1]
+
     def new_engine(self, spec: EngineSpec) -> Engine:
         fault = self._faults.should_fail(spec.vf)
         return EmuEngine(spec, self._fbs[spec.vf][0], fault, self._watchdog)

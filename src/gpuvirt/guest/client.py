@@ -291,6 +291,8 @@ class Gpu:
 
     def _drop_vf(self, exc: GpuvirtError) -> None:
         """Forget the VF's resources: pending work fails with exc, buffers go stale."""
+        if self._netgpu is not None:
+            self._netgpu.vf_lost()  # a receiver parked in recv must not land in the old FB
         with self._state_lock:
             self._ready.clear()
             self.generation += 1

@@ -200,6 +200,12 @@ class Host:
         self.vfm.transition(vf, S.AVAIL, reason)
         return True
 
+    def renew_fb(self, vf: VF) -> None:
+        """Scrub the FB and hand the next tenant a fresh one (see Device.renew_fb)."""
+        self._info.pop(vf.index).close()
+        fd = self.device.renew_fb(vf.index)
+        self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
+
     async def kill_engine(self, vf: VF) -> None:
         if vf.engine is not None:
             engine, vf.engine = vf.engine, None
@@ -297,7 +303,7 @@ class Host:
                 return
             await self.off_schedule(vf)
             await self.kill_engine(vf)
-            self.device.scrub(vf.index)
+            self.renew_fb(vf)
             try:
                 await self.start_engine(vf)
             except DeviceError as e:

@@ -93,7 +93,7 @@ class Resetter:
             steps.done("notify", ready_to_reset=answered)
             await host.kill_engine(vf)
             steps.done("kill")
-            host.device.scrub(vf.index)
+            host.renew_fb(vf)
             steps.done("scrub")
             vf.flr_count += 1
             if self.guard.record(vf.flr_times, time.monotonic()):
@@ -148,7 +148,7 @@ class Resetter:
         steps.done("notify")
         for vf in vfs:
             await host.kill_engine(vf)
-            host.device.scrub(vf.index)
+            host.renew_fb(vf)
         steps.done("kill_scrub")
         for vf in vfs:
             await host.bring_up(vf, "device reset complete")

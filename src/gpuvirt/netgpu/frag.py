@@ -8,7 +8,7 @@ fragment's token is held; after `pool.release` they refuse to be used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -19,35 +19,23 @@ if TYPE_CHECKING:
     from gpuvirt.netgpu.pool import Pool
 
 
-class Frag:
+class Frag(NamedTuple):
     """(offset, size, token) in the VF's FB, from `stream`, `seq`-th fragment of that stream.
 
     Framed mode adds `message` (the header's seq) and `last` (the message's
     final fragment); a message larger than a chunk arrives as several
     fragments with the same `message`. Raw mode: `message` is None, `last` True.
+    A tuple, because a receiver makes one per read and tuples are cheap to make.
     """
 
-    __slots__ = ("_pool", "last", "message", "offset", "seq", "size", "stream", "token")
-
-    def __init__(
-        self,
-        pool: Pool,
-        offset: int,
-        size: int,
-        token: int,
-        stream: int,
-        seq: int,
-        message: int | None = None,
-        last: bool = True,
-    ) -> None:
-        self._pool = pool
-        self.offset = offset  # in the VF's FB
-        self.size = size
-        self.token = token
-        self.stream = stream
-        self.seq = seq
-        self.message = message
-        self.last = last
+    offset: int  # in the VF's FB
+    size: int
+    token: int
+    stream: int
+    seq: int
+    message: int | None
+    last: bool
+    pool: Pool
 
     def __repr__(self) -> str:
         msg = "" if self.message is None else f" message={self.message} last={self.last}"
@@ -58,7 +46,7 @@ class Frag:
 
     def array(self, dtype: Any = np.uint8) -> np.ndarray:
         """The fragment's bytes in device memory as a 1-D array (a view; nothing is copied)."""
-        pool = self._pool
+        pool = self.pool
         pool.check_token(self.token)
         start = self.offset - pool.offset
         return pool.memory[start : start + self.size].view(_dtype_for(self, dtype))
@@ -66,6 +54,11 @@ class Frag:
     def buffer(self, dtype: Any = np.uint8) -> Buffer:
         """A Buffer over the fragment for `gpu.launch`: the kernel sees the FB memory in place."""
         return FragBuffer(self, _dtype_for(self, dtype))
+
+
+make_frag = (
+    tuple.__new__
+)  # make_frag(Frag, (offset, size, token, stream, seq, message, last, pool))
 
 
 def _dtype_for(frag: Frag, dtype: Any) -> np.dtype:
@@ -82,7 +75,7 @@ class FragBuffer(Buffer):
     """A Buffer the pool owns: valid while the fragment's token is held, never freed by hand."""
 
     def __init__(self, frag: Frag, dtype: np.dtype) -> None:
-        pool = frag._pool
+        pool = frag.pool
         pool.check_token(frag.token)
         super().__init__(pool._gpu, frag.offset, (frag.size // dtype.itemsize,), dtype)
         self.generation = pool.generation  # the pool's, not whatever the VF's is now
@@ -90,7 +83,7 @@ class FragBuffer(Buffer):
 
     def _check(self) -> None:
         super()._check()
-        self.frag._pool.check_token(self.frag.token)
+        self.frag.pool.check_token(self.frag.token)
 
     def free(self) -> None:
         raise NetGPUError(

@@ -53,6 +53,7 @@ class NetGPU:
         self._gpu = gpu
         self.rx_bytes = 0  # payload bytes received into the FB, all pools; reported in VF2PF
         self._selection: Selection | None = None
+        self._pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 
     def selection(self, provider: str = "auto") -> Selection:
         """Which provider serves this VF, and why the others do not."""
@@ -66,7 +67,21 @@ class NetGPU:
         self, nbytes: int = DEFAULT_POOL, chunk: int = DEFAULT_CHUNK, provider: str = "auto"
     ) -> Pool:
         """A page pool of `nbytes` (whole chunks) in the VF's FB."""
-        return Pool(self, nbytes, chunk, self.selection(provider).provider)
+        pool = Pool(self, nbytes, chunk, self.selection(provider).provider)
+        self._pools.add(pool)
+        return pool
+
+    def vf_lost(self) -> None:
+        """The VF is being reset or detached: stop every receive into its FB now.
+
+        For the guest library to call when it drops the VF (before it answers
+        READY_TO_RESET), so that no recv still parked on a socket can write into
+        memory the host is about to scrub and hand out again. Receivers then
+        raise BufferLostError.
+        """
+        for pool in list(self._pools):
+            for rx in list(pool._rxs):
+                rx.interrupt()
 
 
 class Pool:
@@ -168,9 +183,13 @@ class Pool:
 
         All or nothing: if any token is bad, none is released and TokenError says which and why.
         """
+        if isinstance(tokens, int):
+            raise TokenError(tokens, f"pass a list of tokens: pool.release([{tokens}])")
         batch = tokens if isinstance(tokens, list | tuple) else list(tokens)
         with self._lock:
-            self._check_live()
+            gpu = self._gpu
+            if self.generation != gpu.generation or gpu.closed or self.closed:
+                self._check_live()
             table = self._tokens
             for t in batch:
                 if t.__class__ is not int or t not in table:  # bool is an int, and hashes as one
@@ -236,14 +255,14 @@ class Pool:
     def check_live(self) -> None:
         self._check_live()
 
-    def take(self) -> int | None:
-        """A free chunk with one reference (the caller's), or None when the pool is dry."""
+    def take(self, refs: int = 1) -> int | None:
+        """A free chunk with `refs` references (the caller's), or None when the pool is dry."""
         with self._lock:
             self._check_live()
             if not self._free:
                 return None
             c = self._free.pop()
-            self._refs[c] = 1
+            self._refs[c] = refs
             return c
 
     def ref(self, c: int) -> None:
@@ -258,23 +277,15 @@ class Pool:
                 if self._waiters:
                     self._wake()
 
-    def hold(self, c: int) -> int:
-        """A new reference on chunk `c`, as a token (a raw-mode fragment)."""
-        with self._lock:
-            t = self._next_token
-            self._next_token = t + 1
-            self._refs[c] += 1
-            self._tokens[t] = c
-            return t
-
-    def issue(self, chunks: list[int]) -> list[int]:
-        """Turn references the receiver holds on `chunks` into tokens, one each."""
+    def issue(self, chunks: list[int]) -> int:
+        """Turn references the receiver holds on `chunks` into tokens, one each (consecutive,
+        from the one returned)."""
         with self._lock:
             first = self._next_token
             self._next_token = first + len(chunks)
             for i, c in enumerate(chunks):
                 self._tokens[first + i] = c
-            return list(range(first, first + len(chunks)))
+            return first
 
     def wait_free(self, eventfd: int) -> bool:
         """True if a chunk is free now; else register `eventfd` to be signalled by a release."""
@@ -289,9 +300,6 @@ class Pool:
     def unwait(self, eventfd: int) -> None:
         with self._lock:
             self._waiters.discard(eventfd)
-
-    def count_rx(self, n: int) -> None:
-        self._net.rx_bytes += n
 
     # ---- internals -------------------------------------------------------------------
 

@@ -32,8 +32,9 @@ if TYPE_CHECKING:
     from gpuvirt.guest.client import Gpu
     from gpuvirt.netgpu.pool import Pool
 
-Reader = Callable[[memoryview], int]
-"""Receive into the view (device memory); return the byte count, 0 at end of stream."""
+Reader = Callable[[memoryview, int, int], int]
+"""recv_into's shape, (view, nbytes, flags) → bytes received into the view (device
+memory), 0 at the end of the stream; flags are MSG_* flags (MSG_WAITALL)."""
 
 
 class Provider(ABC):

@@ -12,6 +12,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from gpuvirt.netgpu.providers.base import Provider, Reader
+from gpuvirt.protocol.info import FEATURE_FB_MAPPED
 
 if TYPE_CHECKING:
     from gpuvirt.guest.client import Gpu
@@ -23,10 +24,10 @@ class UserspaceProvider(Provider):
 
     @classmethod
     def probe(cls, gpu: Gpu) -> str | None:
-        if getattr(gpu, "_fb", None) is None or not hasattr(gpu._fb, "view"):
+        if gpu.info is None or not gpu.info.feature_flags & FEATURE_FB_MAPPED:
             return (
-                "userspace receive needs the guest to map its FB (the emu backend); "
-                "the staging path for cuda is not built yet"
+                "userspace receive needs the guest to map its FB (the emu backend); this VF's "
+                "FB is device memory, and the cuda staging receive is not wired in yet"
             )
         return None
 
