@@ -108,9 +108,7 @@ class AdminServer:
             snap = host.sched.snapshot()
             if query.get("latencies"):
                 snap["latencies_ns"] = list(host.sched.stats.latencies_ns)
-                snap["commands_ns"] = {
-                    k: list(v) for k, v in host.sched.stats.commands_ns.items()
-                }
+                snap["commands_ns"] = {k: list(v) for k, v in host.sched.stats.commands_ns.items()}
             return snap
         if method == "GET" and parts == ["events"]:
             after = _int(query, "after", 0)
