@@ -31,6 +31,8 @@ def _share(a: dict[str, Any], b: dict[str, Any], vf: str) -> float:
 def run(quick: bool = False, backend: str = "emu") -> Result:
     rounds = 1 if quick else 3
     recover, ratios, guest_ms, steps = [], [], [], []
+    idle_pct: list[float] = []
+    lost_pct: list[float] = []
     sched = {"policy": "liquid", "job_timeout_s": JOB_TIMEOUT_S, "cmd_timeout_ms": CMD_TIMEOUT_MS}
     for _ in range(rounds):
         with scratch_host(device={"backend": backend}, sriov={"vf_num": 3}, scheduler=sched) as hp:
@@ -60,6 +62,9 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             "vfs": {k: v["device_ns"] for k, v in s0["vfs"].items()},
         }
         a, b = start["data"]["device_ns"], done["data"]["device_ns"]
+        span = b["elapsed_ns"] - a["elapsed_ns"]
+        idle_pct.append(100 * (b["idle_ns"] - a["idle_ns"]) / span)
+        lost_pct.append(100 * (b["lost_ns"] - a["lost_ns"]) / span)
         for vf in ("1", "2"):
             before = _share(base0, base, vf)
             during = _share(a, b, vf)
@@ -75,6 +80,8 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             "recover_ms_all": [round(x, 1) for x in recover],
             "neighbour_share_ratio": round(ratio, 3),
             "guest_recover_ms": round(max(guest_ms), 1),
+            "during_flr_idle_pct": round(max(idle_pct), 2),
+            "during_flr_switch_pct": round(max(lost_pct), 2),
             "steps_ms": steps[-1],
             "job_timeout_s": JOB_TIMEOUT_S,
             "cmd_timeout_ms": CMD_TIMEOUT_MS,
@@ -88,6 +95,8 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             *[(f"  step {k}", v, "ms") for k, v in steps[-1].items()],
             ("guest: VFResetError → re-initialized", max(guest_ms), "ms"),
             ("neighbours' share during FLR / before (min)", ratio, "×"),
+            ("device idle during the FLR (no VF had work)", max(idle_pct), "%"),
+            ("device time in switches during the FLR", max(lost_pct), "%"),
         ],
         notes=[
             f"the hang is caught when the kernel's own device time passes job_timeout "

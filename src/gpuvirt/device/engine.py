@@ -318,6 +318,7 @@ class _LoadFailure:
 
 
 PR_SET_PDEATHSIG = 1
+STARTUP_NICE = 10
 
 
 def _die_with_host(host_pid: int) -> None:
@@ -348,6 +349,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-pid", type=int, required=True)
     a = p.parse_args(argv)
     _die_with_host(a.host_pid)
+    # Starting an interpreter and importing numpy is background work: at a low priority
+    # it does not take the CPU from the VFs running meanwhile (an FLR's neighbours). The
+    # host restores normal priority once INIT_GPU is done.
+    os.nice(STARTUP_NICE)
     # The host's terminal signals are the host's business; it tells us when to exit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if a.fault_exit:

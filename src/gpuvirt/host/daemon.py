@@ -187,6 +187,8 @@ class Host:
         except DeviceError:
             await asyncio.to_thread(engine.kill)
             raise
+        with contextlib.suppress(OSError):  # without CAP_SYS_NICE it stays at its start nice
+            os.setpriority(os.PRIO_PROCESS, engine.pid, 0)
         vf.engine = engine
         await asyncio.wrap_future(self.sched.add(vf.index, engine, vf.plan.weight))
 
@@ -397,6 +399,8 @@ class Host:
         snap = self.sched.snapshot()
         return {
             "elapsed_ns": snap["elapsed_ns"],
+            "lost_ns": snap["lost_ns"],
+            "idle_ns": snap["idle_ns"],
             "vfs": {str(vf): s["device_ns"] for vf, s in snap["vfs"].items()},
         }
 

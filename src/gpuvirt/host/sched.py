@@ -176,6 +176,7 @@ class Scheduler:
             "policy": str(self.policy),
             "elapsed_ns": now - self.stats.started_ns,
             "lost_ns": self.stats.lost_ns,
+            "idle_ns": self.stats.idle_ns,
             "switches": self.stats.switches,
             "current": cur.vf if cur else None,
             "vfs": vfs,
@@ -300,12 +301,20 @@ class Scheduler:
             return False
         if not cur.engine.status[Word.NOTIFY_IDLE]:
             return False
-        return cur.pending() == 0
+        return self._current_pending(cur) == 0
 
     def _returning_vtime(self, e: Entry, floor: float) -> float:
         """A VF that comes back with work keeps at most one slice of lag: a short gap
         between two launches costs it nothing, a long idle period banks no credit."""
         return max(e.vtime, floor - self.slice_ns / e.weight)
+
+    def _current_pending(self, cur: Entry) -> int:
+        """The running VF's doorbell is not watched (it would wake us per launch); read it
+        before judging it idle, or a launch already queued behind the drained one is
+        missed and the VF yields with work waiting."""
+        if cur.doorbell is not None:
+            cur.submitted += _drain(cur.doorbell)
+        return cur.pending()
 
     def _should_preempt(self, cur: Entry, now: int) -> bool:
         """weighted: a VF with work that is behind the running one by more than half a
@@ -333,7 +342,7 @@ class Scheduler:
             for e in self.entries.values()
         )
         cur.engine.status[Word.NOTIFY_IDLE] = 1 if others else 0
-        if others and cur.pending() == 0:
+        if others and self._current_pending(cur) == 0:
             os.eventfd_write(self._wake, 1)  # drained before the flag was up
 
     def _cmd(self, e: Entry, cmd: WSCommand) -> None:
