@@ -39,8 +39,6 @@ import json
 import mmap
 import os
 import select
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,9 +55,10 @@ from gpuvirt.device.base import (
     EngineSpec,
     WSCommand,
 )
-from gpuvirt.device.emu import FAULT_ENV, _Faults, punch_hole, send_fd
-from gpuvirt.device.engine import CTL_EXIT, CTL_FAIL, CTL_GUEST, CTL_WAKE
-from gpuvirt.device.status import StatusArea, Word
+from gpuvirt.device.emu import FAULT_ENV, _Faults, punch_hole
+from gpuvirt.device.engine import CTL_FAIL, CTL_WAKE
+from gpuvirt.device.process import ProcessEngine
+from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.command import BufDesc, Copy
 from gpuvirt.protocol.info import FEATURE_NETGPU, FEATURE_STAGING, RESERVED_SIZE
@@ -168,7 +167,7 @@ def probe_gpu(timeout: float = PROBE_TIMEOUT_S) -> GpuInfo:
     )  # fmt: skip
 
 
-class CoopEngine(Engine):
+class CoopEngine(ProcessEngine):
     """Host side of an engine that world-switches by acknowledged commands.
 
     The cuda backend's engine. `backend="emu"` runs the same protocol over an emu
@@ -187,64 +186,26 @@ class CoopEngine(Engine):
     def __init__(
         self, spec: EngineSpec, fb_fd: int, backend: str = "cuda", fault: bool = False
     ) -> None:
-        status_fd = StatusArea.create(f"gpuvirt-vf{spec.vf}-status")
-        super().__init__(spec, StatusArea(status_fd))
+        self.failure: str | None = None  # what the engine said when it could not start
+        super().__init__(spec, fb_fd, backend, ["--switch", "coop"], fault)
+        self._poll = select.epoll()
+        self._poll.register(self._ctl.fileno(), select.EPOLLIN)
+        self._poll.register(self._pidfd, select.EPOLLIN)
+
+    def _prepare(self) -> None:
         # INIT_GPU is waiting for the engine before it starts: it acknowledges it once
         # its executor is up, which is how _do_init learns the start is done.
         self._serial = 1
         self._pending = WSCommand.INIT_GPU
         self.status[Word.CMD_CODE] = WSCommand.INIT_GPU
         self.status[Word.CMD_SERIAL] = self._serial
-        self._ctl, engine_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._ctl.setblocking(False)
-        self._idle = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        cmd = [
-            sys.executable, "-m", "gpuvirt.device.engine", "--backend", backend,
-            "--switch", "coop",
-            "--vf", str(spec.vf), "--fb-size", str(spec.fb_size),
-            "--fb-fd", str(fb_fd), "--status-fd", str(status_fd),
-            "--ctl-fd", str(engine_ctl.fileno()), "--idle-fd", str(self._idle),
-            "--host-pid", str(os.getpid()),
-        ]  # fmt: skip
-        if fault:
-            cmd.append("--fault-exit")
-        self._popen = subprocess.Popen(
-            cmd,
-            pass_fds=(fb_fd, status_fd, engine_ctl.fileno(), self._idle),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        engine_ctl.close()
-        os.close(status_fd)
-        self._pidfd = os.pidfd_open(self._popen.pid)
-        self._poll = select.epoll()
-        self._poll.register(self._ctl.fileno(), select.EPOLLIN)
-        self._poll.register(self._pidfd, select.EPOLLIN)
-        self._reaped = False
-        self.failure: str | None = None  # what the engine said when it could not start
 
-    @property
-    def pid(self) -> int:
-        return self._popen.pid
-
-    def exit_fd(self) -> int:
-        return self._pidfd
-
-    def idle_fd(self) -> int:
-        return self._idle
-
-    def alive(self) -> bool:
-        if self._reaped:
-            return False
-        info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        return info is None
+    def _reaped_cleanup(self) -> None:
+        self._poll.close()
 
     def holds_fb(self) -> bool:
         """True while the engine process has its FB allocated (INIT done, not dead)."""
         return not self._reaped and self.alive() and bool(self.status[Word.READY])
-
-    def attach_guest(self, channel_fd: int) -> None:
-        send_fd(self._ctl, CTL_GUEST, channel_fd)
 
     def _do_init(self, timeout: float) -> None:
         self._await(timeout)
@@ -322,24 +283,6 @@ class CoopEngine(Engine):
                 return
             if msg.startswith(CTL_FAIL):
                 self.failure = msg[len(CTL_FAIL) :].decode(errors="replace")
-
-    def kill(self) -> None:
-        if self._reaped:
-            return
-        with contextlib.suppress(OSError):
-            self._ctl.send(CTL_EXIT)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        # Returns once the driver has torn the context down; a kernel still running on
-        # the device goes with it.
-        _pid, status = os.waitpid(self.pid, 0)
-        self._popen.returncode = os.waitstatus_to_exitcode(status)
-        self._reaped = True
-        self._poll.close()
-        for fd in (self._pidfd, self._idle):
-            os.close(fd)
-        self._ctl.close()
-        self.status.close()
 
 
 class CudaDevice(Device):

@@ -9,16 +9,11 @@ goes back to the host without being touched page by page.
 
 from __future__ import annotations
 
-import array
-import contextlib
 import ctypes
 import ctypes.util
 import mmap
 import os
 import signal
-import socket
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
@@ -31,8 +26,7 @@ from gpuvirt.device.base import (
     EngineSpec,
     Watchdog,
 )
-from gpuvirt.device.engine import CTL_EXIT, CTL_GUEST
-from gpuvirt.device.status import StatusArea
+from gpuvirt.device.process import ProcessEngine
 from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.command import BufDesc, Copy
 from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU, PF2VF_OFFSET, RESERVED_SIZE
@@ -52,10 +46,6 @@ def punch_hole(fd: int, size: int) -> None:
     if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) != 0:
         err = ctypes.get_errno()
         raise DeviceError(f"scrub failed: fallocate(PUNCH_HOLE): {os.strerror(err)}")
-
-
-def send_fd(sock: socket.socket, msg: bytes, fd: int) -> None:
-    sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
 
 
 class _Faults:
@@ -79,54 +69,14 @@ class _Faults:
         return True
 
 
-class EmuEngine(Engine):
+class EmuEngine(ProcessEngine):
     def __init__(self, spec: EngineSpec, fb_fd: int, fault: bool, watchdog: Watchdog) -> None:
-        status_fd = StatusArea.create(f"gpuvirt-vf{spec.vf}-status")
-        super().__init__(spec, StatusArea(status_fd))
-        self._ctl, engine_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._ctl.setblocking(False)
-        self._idle = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        cmd = [
-            sys.executable, "-m", "gpuvirt.device.engine", "--backend", "emu",
-            "--vf", str(spec.vf), "--fb-size", str(spec.fb_size),
-            "--fb-fd", str(fb_fd), "--status-fd", str(status_fd),
-            "--ctl-fd", str(engine_ctl.fileno()), "--idle-fd", str(self._idle),
-            "--host-pid", str(os.getpid()),
-        ]  # fmt: skip
-        if fault:
-            cmd.append("--fault-exit")
-        # The host reaps engines itself (waitid); Popen is only the spawner.
-        self._popen = subprocess.Popen(
-            cmd,
-            pass_fds=(fb_fd, status_fd, engine_ctl.fileno(), self._idle),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        engine_ctl.close()
-        os.close(status_fd)
-        self._pidfd = os.pidfd_open(self._popen.pid)
-        self._reaped = False
+        super().__init__(spec, fb_fd, "emu", [], fault)
         self._watchdog = watchdog
         watchdog.add(self)
 
-    @property
-    def pid(self) -> int:
-        return self._popen.pid
-
-    def exit_fd(self) -> int:
-        return self._pidfd
-
-    def idle_fd(self) -> int:
-        return self._idle
-
-    def alive(self) -> bool:
-        if self._reaped:
-            return False
-        info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        return info is None
-
-    def attach_guest(self, channel_fd: int) -> None:
-        send_fd(self._ctl, CTL_GUEST, channel_fd)
+    def _reaped_cleanup(self) -> None:
+        self._watchdog.discard(self)
 
     def _wait_stopped(self, timeout: float) -> None:
         """Block until the stop the last SIGSTOP asked for (or a fresh engine's own) lands.
@@ -170,22 +120,6 @@ class EmuEngine(Engine):
             os.kill(self.pid, sig)
         except ProcessLookupError:
             raise EngineDied(f"VF{self.spec.vf}: engine pid {self.pid} is gone") from None
-
-    def kill(self) -> None:
-        if self._reaped:
-            return
-        with contextlib.suppress(OSError):
-            self._ctl.send(CTL_EXIT)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        _pid, status = os.waitpid(self.pid, 0)
-        self._popen.returncode = os.waitstatus_to_exitcode(status)
-        self._reaped = True
-        self._watchdog.discard(self)
-        for fd in (self._pidfd, self._idle):
-            os.close(fd)
-        self._ctl.close()
-        self.status.close()
 
 
 class EmuDevice(Device):
