@@ -112,9 +112,19 @@ class EngineLoop:
         if msg == CTL_GUEST and fd is not None:
             self._drop_guest()
             self.guest = socket.socket(fileno=fd)
-            self.sel.register(self.guest, selectors.EVENT_READ, "guest")
+            if self._watching_guest():
+                self.sel.register(self.guest, selectors.EVENT_READ, "guest")
             self.status.bump(Word.GUEST_EPOCH)
+        else:
+            self._on_control(msg)
         return True
+
+    def _watching_guest(self) -> bool:
+        """Whether guest messages are read now (always, for an engine stopped by signals)."""
+        return True
+
+    def _on_control(self, msg: bytes) -> None:
+        """Control messages beyond guest and exit (the cooperative world switch)."""
 
     def _drop_guest(self) -> None:
         if self.guest is not None:
@@ -249,19 +259,12 @@ class CoopEngineLoop(EngineLoop):
             if self.running and self.guest is not None:
                 self._guest_message()
 
-    def _control(self) -> bool:
-        msg, fd = recv_fd(self.ctl)
-        if not msg or msg == CTL_EXIT:
-            return False
-        if msg == CTL_GUEST and fd is not None:
-            self._drop_guest()
-            self.guest = socket.socket(fileno=fd)
-            if self.running:
-                self.sel.register(self.guest, selectors.EVENT_READ, "guest")
-            self.status.bump(Word.GUEST_EPOCH)
-        elif msg == CTL_WAKE:
+    def _watching_guest(self) -> bool:
+        return self.running
+
+    def _on_control(self, msg: bytes) -> None:
+        if msg == CTL_WAKE:
             self.follow()
-        return True
 
     def follow(self) -> None:
         """Carry out the host's latest command and acknowledge it.
