@@ -306,3 +306,18 @@ def test_a_view_kept_past_detach_never_reaches_the_next_tenant(make_host: MakeHo
         assert not kept.any()  # the old mapping sees scrubbed memory, not the new tenant
         kept[:] = 7  # and writing through it changes nothing the new tenant can see
         assert (mine.read() == 0xEE).all()
+
+
+def test_a_second_host_never_takes_over_a_running_hosts_socket(make_host: MakeHost) -> None:
+    import subprocess
+    import sys
+
+    hp = make_host()
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuvirt", "host", "--config", str(hp.config_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "another gpuvirt host is serving" in out.stderr
+    with gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu:  # still the first
+        assert gpu.launch(lambda xp: 5).result(10) == 5

@@ -15,7 +15,9 @@ from gpuvirt.cli.admin_client import AdminClient
 from gpuvirt.config import HostConfig, load_config
 from gpuvirt.errors import GpuvirtError
 
-console = Console(highlight=False)
+# Off a terminal rich assumes 80 columns, which folds the VF tables; pipes and logs
+# get the width `top` uses there too.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False)
 
 ConfigOpt = Annotated[

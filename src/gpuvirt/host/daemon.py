@@ -89,6 +89,9 @@ class Host:
         from gpuvirt.host.admin import AdminServer
 
         self.loop = asyncio.get_running_loop()
+        for path in (self.socket_path, self.admin_address):
+            if isinstance(path, Path):
+                refuse_if_served(path)
         # The scheduler thread needs the GIL promptly when it wakes for a switch: a
         # shorter switch interval, and the loop thread (which may hold the GIL) real-time
         # too, below the scheduler, so busy engines cannot keep it off the CPU meanwhile.
@@ -115,7 +118,7 @@ class Host:
         path = self.socket_path
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            path.unlink()  # a stale socket of a host that is gone (start() checked)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(str(path))
         os.chmod(path, 0o660)
@@ -476,6 +479,20 @@ class Host:
             },
             "vfs": [self.vf_status(vf, snap) for vf in self.vfm.vfs],
         }
+
+
+def refuse_if_served(path: Path) -> None:
+    """Never take over the socket of a host that is still running."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise DeviceError(
+        f"another gpuvirt host is serving at {path}; stop it first or use another socket"
+    )
 
 
 def rss_bytes(pid: int) -> int:
