@@ -187,6 +187,9 @@ class Device(abc.ABC):
     """One GPU as the host sees it: FBs to carve and engines to run on them."""
 
     backend: str
+    # CPUs the device executes on, where that is the host's own (emu); the scheduler
+    # thread joins them so a world switch never crosses CPUs. None: a real device.
+    exec_cpus: set[int] | None = None
 
     @abc.abstractmethod
     def total_fb(self) -> int | None:

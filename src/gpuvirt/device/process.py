@@ -21,6 +21,11 @@ from gpuvirt.device.base import Engine, EngineSpec
 from gpuvirt.device.engine import CTL_EXIT, CTL_GUEST
 from gpuvirt.device.status import StatusArea
 
+# An engine is one execution context, as a VF is one slice of the device. It also
+# stops faster: SIGSTOP is confirmed only once every thread of the process has
+# stopped, and an idle BLAS worker thread has to be woken to do so.
+ENGINE_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
 
 def send_fd(sock: socket.socket, msg: bytes, fd: int) -> None:
     sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
@@ -50,6 +55,7 @@ class ProcessEngine(Engine):
             pass_fds=(fb_fd, status_fd, engine_ctl.fileno(), self._idle),
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env={**os.environ, **ENGINE_ENV},
         )
         engine_ctl.close()
         os.close(status_fd)

@@ -65,7 +65,7 @@ class Host:
         sc = config.scheduler
         self.sched = Scheduler(
             Policy(sc.policy), sc.time_slice_ms, sc.cmd_timeout_ms, sc.job_timeout_s,
-            self._fault_from_sched,
+            self._fault_from_sched, self.device.exec_cpus,
         )  # fmt: skip
         self.lifecycle = asyncio.Lock()
         self.resetter = Resetter(self)

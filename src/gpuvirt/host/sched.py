@@ -49,6 +49,8 @@ class Policy(StrEnum):
 
 
 WORK_CONSERVING = frozenset({Policy.LIQUID, Policy.WEIGHTED})
+# weighted: a VF without work for less than this keeps the device time it is owed
+REJOIN_NS = 100_000_000
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Entry:
     faulted: bool = False
     switches_in: int = 0
     candidate: bool = False
+    left_at: int = 0  # when it last stopped being a candidate (weighted)
 
     @property
     def has_guest(self) -> bool:
@@ -105,12 +108,14 @@ class Scheduler:
         cmd_timeout_ms: float,
         job_timeout_s: float,
         on_fault: FaultHandler,
+        cpus: set[int] | None = None,
     ) -> None:
         self.policy = Policy(policy)
         self.slice_ns = int(time_slice_ms * 1e6)
         self.cmd_timeout = cmd_timeout_ms / 1000
         self.job_timeout_ns = int(job_timeout_s * 1e9)
         self.on_fault = on_fault
+        self.cpus = cpus
         self.entries: dict[int, Entry] = {}
         self.current: Entry | None = None
         self.exclusive: int | None = None
@@ -196,6 +201,8 @@ class Scheduler:
 
     def _main(self) -> None:
         self.priority = raise_priority()
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread only: beside the engines
         slice_end = 0
         while not self._stopping:
             now = time.monotonic_ns()
@@ -285,9 +292,12 @@ class Scheduler:
             return None
         if self.policy is Policy.WEIGHTED:
             floor = min((e.vtime for e in cands if e.candidate), default=None)
+            now = time.monotonic_ns()
             for e in self.entries.values():
                 if e in cands and not e.candidate and floor is not None:
-                    e.vtime = self._returning_vtime(e, floor)
+                    e.vtime = self._returning_vtime(e, floor, now)
+                if e.candidate and e not in cands:
+                    e.left_at = now
                 e.candidate = e in cands
             return min(cands, key=lambda e: (e.vtime, e.vf))
         order = sorted(cands, key=lambda e: e.vf)
@@ -303,10 +313,12 @@ class Scheduler:
             return False
         return self._current_pending(cur) == 0
 
-    def _returning_vtime(self, e: Entry, floor: float) -> float:
-        """A VF that comes back with work keeps at most one slice of lag: a short gap
-        between two launches costs it nothing, a long idle period banks no credit."""
-        return max(e.vtime, floor - self.slice_ns / e.weight)
+    def _returning_vtime(self, e: Entry, floor: float, now: int) -> float:
+        """A VF back with work after a short gap (between two launches, even on a busy
+        host) keeps all its lag; after a real idle period it banks no credit."""
+        if now - e.left_at < REJOIN_NS:
+            return e.vtime
+        return max(e.vtime, floor)
 
     def _current_pending(self, cur: Entry) -> int:
         """The running VF's doorbell is not watched (it would wake us per launch); read it
@@ -327,7 +339,7 @@ class Scheduler:
         for e in self.entries.values():
             if e is cur or not e.has_guest or e.faulted or e.pending() == 0:
                 continue
-            v = e.vtime if e.candidate else self._returning_vtime(e, cur.vtime)
+            v = e.vtime if e.candidate else self._returning_vtime(e, cur.vtime, now)
             if v + self.slice_ns / (2 * e.weight) < cur_v:
                 return True
         return False
