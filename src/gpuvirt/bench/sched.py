@@ -23,6 +23,7 @@ from gpuvirt.host.process import HostProcess
 # slices; cuda switches only at kernel boundaries, so its kernels must be shorter than one.
 KERNEL_S = {"emu": 0.05, "cuda": 0.001}
 SLICE_MS = 6
+SETTLE_S = 1.0
 
 
 def jain(xs: list[float]) -> float:
@@ -41,6 +42,9 @@ def busy_window(
         for vf in vfs:
             w.start(busy_guest, str(hp.socket), vf, hp.token(vf), kernel_s)
         w.wait_ready()
+        # Guests attach one at a time (FULLACCESS is exclusive) and the first start
+        # working before the last are in: measure the steady state, not the arrival.
+        time.sleep(SETTLE_S)
         first = hp.admin.request("GET", "/sched")
         samples = [first]
         end = time.monotonic() + seconds
