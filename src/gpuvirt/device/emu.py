@@ -9,6 +9,7 @@ goes back to the host without being touched page by page.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -26,7 +27,8 @@ from gpuvirt.device.base import (
     EngineSpec,
     Watchdog,
 )
-from gpuvirt.device.process import ProcessEngine
+from gpuvirt.device.engine import ADOPT, CTL_ADOPT
+from gpuvirt.device.process import ProcessEngine, send_fd
 from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.command import BufDesc, Copy
 from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU, PF2VF_OFFSET, RESERVED_SIZE
@@ -40,6 +42,7 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c
 # engine starts after the first SKIP fail (the process really exits during
 # start), COUNT times, or forever when COUNT is 0. Several specs: comma-separated.
 FAULT_ENV = "GPUVIRT_FAULT_ENGINE_START"
+SPARE = EngineSpec(vf=-1, fb_size=0)  # a spare's spec until it adopts a VF
 
 
 def punch_hole(fd: int, size: int) -> None:
@@ -71,15 +74,33 @@ class _Faults:
 
 class EmuEngine(ProcessEngine):
     def __init__(
-        self, spec: EngineSpec, fb_fd: int, fault: bool, watchdog: Watchdog, cpus: set[int]
+        self,
+        spec: EngineSpec,
+        fb_fd: int | None,
+        fault: bool,
+        watchdog: Watchdog,
+        cpus: set[int],
     ) -> None:
         super().__init__(spec, fb_fd, "emu", [], fault)
         self._watchdog = watchdog
         self._cpus = cpus
         watchdog.add(self)
+        # Starting (an interpreter, numpy) happens off the device's CPU where there is
+        # another: there it would delay the stop of whichever VF is running.
+        others = os.sched_getaffinity(0) - cpus
+        if others:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(self.pid, others)
 
     def _reaped_cleanup(self) -> None:
         self._watchdog.discard(self)
+
+    def adopt(self, spec: EngineSpec, fb_fd: int) -> None:
+        """Give a spare its VF; INIT_GPU then completes as for any fresh engine."""
+        self.spec = spec
+        with contextlib.suppress(OSError):  # its start was background work; this is not
+            os.setpriority(os.PRIO_PROCESS, self.pid, 0)
+        send_fd(self._ctl, CTL_ADOPT + ADOPT.pack(spec.vf, spec.fb_size), fb_fd)
 
     def _wait_stopped(self, timeout: float) -> None:
         """Block until the stop the last SIGSTOP asked for (or a fresh engine's own) lands.
@@ -138,6 +159,7 @@ class EmuDevice(Device):
         self._fbs: dict[int, tuple[int, int]] = {}  # vf -> (fd, size)
         self._faults = _Faults(os.environ.get(FAULT_ENV, ""))
         self._watchdog = Watchdog(watchdog_tick)
+        self._spare: EmuEngine | None = None
 
     def total_fb(self) -> int | None:
         return None
@@ -162,8 +184,20 @@ class EmuDevice(Device):
         return self._fbs[vf][1]
 
     def new_engine(self, spec: EngineSpec) -> Engine:
+        """A spare when one is ready (started and imported ahead of need: an FLR then
+        waits for no interpreter start), and a new spare behind it."""
+        fb_fd = self._fbs[spec.vf][0]
         fault = self._faults.should_fail(spec.vf)
-        return EmuEngine(spec, self._fbs[spec.vf][0], fault, self._watchdog, self.exec_cpus)
+        spare, self._spare = self._spare, None
+        if spare is not None and not fault and spare.alive():
+            spare.adopt(spec, fb_fd)
+            engine = spare
+        else:
+            if spare is not None:
+                spare.kill()
+            engine = EmuEngine(spec, fb_fd, fault, self._watchdog, self.exec_cpus)
+        self._spare = EmuEngine(SPARE, None, False, self._watchdog, self.exec_cpus)
+        return engine
 
     def guest_fds(self, vf: int) -> list[int]:
         return [self._fbs[vf][0]]
@@ -176,6 +210,8 @@ class EmuDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
+        if self._spare is not None:
+            self._spare.kill()
         self._watchdog.stop()
         for vf in list(self._fbs):
             self.destroy_fb(vf)

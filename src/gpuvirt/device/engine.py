@@ -32,6 +32,7 @@ import pickle
 import selectors
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -46,6 +47,8 @@ from gpuvirt.protocol.errors import ProtocolError
 
 MAX_RESULT = MAX_MESSAGE - 1024  # a DONE message must fit one datagram
 CTL_GUEST = b"G"
+CTL_ADOPT = b"A"  # + struct ADOPT (vf, FB size), the FB fd attached: a spare takes a VF
+ADOPT = struct.Struct("<IQ")
 CTL_EXIT = b"X"
 CTL_WAKE = b"W"
 # engine -> host, cooperative engines only
@@ -365,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
         _main_coop(a)
         return
     status = StatusArea(a.status_fd)
+    ctl = socket.socket(fileno=a.ctl_fd)
+    if a.fb_fd < 0 and not _adopt(ctl, a):
+        return
     executor: Executor
     if a.backend == "emu":
         from gpuvirt.device.emu import EmuExecutor
@@ -377,10 +383,20 @@ def main(argv: list[str] | None = None) -> None:
     status[Word.PID] = os.getpid()
     status[Word.MAGIC] = MAGIC
     status[Word.READY] = 1
-    ctl = socket.socket(fileno=a.ctl_fd)
     loop = EngineLoop(executor, status, ctl, a.idle_fd)
     os.kill(os.getpid(), signal.SIGSTOP)  # INIT_GPU done: the host sees this stop
     loop.serve()
+
+
+def _adopt(ctl: socket.socket, a: argparse.Namespace) -> bool:
+    """A spare engine: started and imported ahead of need, it waits here until the host
+    hands it a VF's FB. False when the host lets it go instead."""
+    msg, fd = recv_fd(ctl)
+    if not msg.startswith(CTL_ADOPT) or fd is None:
+        return False
+    a.vf, a.fb_size = ADOPT.unpack(msg[len(CTL_ADOPT) :])
+    a.fb_fd = fd
+    return True
 
 
 def _main_coop(a: argparse.Namespace) -> None:

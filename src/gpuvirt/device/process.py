@@ -33,8 +33,9 @@ def send_fd(sock: socket.socket, msg: bytes, fd: int) -> None:
 
 class ProcessEngine(Engine):
     def __init__(
-        self, spec: EngineSpec, fb_fd: int, backend: str, extra: list[str], fault: bool
+        self, spec: EngineSpec, fb_fd: int | None, backend: str, extra: list[str], fault: bool
     ) -> None:
+        """fb_fd None: a spare, which gets its FB later (emu's EmuEngine.adopt)."""
         status_fd = StatusArea.create(f"gpuvirt-vf{spec.vf}-status")
         super().__init__(spec, StatusArea(status_fd))
         self._prepare()
@@ -44,7 +45,7 @@ class ProcessEngine(Engine):
         cmd = [
             sys.executable, "-m", "gpuvirt.device.engine", "--backend", backend, *extra,
             "--vf", str(spec.vf), "--fb-size", str(spec.fb_size),
-            "--fb-fd", str(fb_fd), "--status-fd", str(status_fd),
+            "--fb-fd", str(-1 if fb_fd is None else fb_fd), "--status-fd", str(status_fd),
             "--ctl-fd", str(engine_ctl.fileno()), "--idle-fd", str(self._idle),
             "--host-pid", str(os.getpid()),
         ]  # fmt: skip
@@ -52,7 +53,9 @@ class ProcessEngine(Engine):
             cmd.append("--fault-exit")
         self._popen = subprocess.Popen(
             cmd,
-            pass_fds=(fb_fd, status_fd, engine_ctl.fileno(), self._idle),
+            pass_fds=tuple(
+                fd for fd in (fb_fd, status_fd, engine_ctl.fileno(), self._idle) if fd is not None
+            ),
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             env={**os.environ, **ENGINE_ENV},

@@ -209,20 +209,23 @@ class Scheduler:
             if self.current is not None:
                 self._check_kernel(self.current, now)
             cur = self.current
-            if (
-                self._repick
-                or cur is None
+            ends = (
+                cur is None
                 or now >= slice_end
                 or self._should_yield(cur)
                 or self._should_preempt(cur, now)
-            ):
+            )
+            if self._repick or ends:
+                # An op (a VF added, removed, given a guest) changes who may run, but does
+                # not end the running VF's slice while it may still run.
                 self._repick = False
-                nxt = self._pick()
+                nxt = self._pick(keep=None if ends else cur)
                 if nxt is not cur:
                     self._switch(nxt)
-                elif cur is not None:
-                    self._end_slice(cur, time.monotonic_ns())
-                    self._begin_slice(cur, time.monotonic_ns())
+                elif cur is not None and ends:
+                    t = time.monotonic_ns()
+                    self._end_slice(cur, t)
+                    self._begin_slice(cur, t)
                 if self.current is not None:
                     slice_end = self.current.run_start + self.current.slice_ns
                 self._resolve_exclusive()
@@ -275,7 +278,7 @@ class Scheduler:
                 e.submitted += _drain(e.doorbell)
         return [e for e in with_guest if e.pending() > 0]
 
-    def _pick(self) -> Entry | None:
+    def _pick(self, keep: Entry | None = None) -> Entry | None:
         cands = self._candidates()
         cur = self.current
         if not cands:
@@ -299,6 +302,9 @@ class Scheduler:
                 if e.candidate and e not in cands:
                     e.left_at = now
                 e.candidate = e in cands
+        if keep is not None and keep in cands:
+            return keep
+        if self.policy is Policy.WEIGHTED:
             return min(cands, key=lambda e: (e.vtime, e.vf))
         order = sorted(cands, key=lambda e: e.vf)
         if cur is None:
