@@ -170,9 +170,6 @@ class EmuDevice(Device):
         self._fbs[vf] = (fd, size)
         return fd
 
-    def fb_fd(self, vf: int) -> int:
-        return self._fbs[vf][0]
-
     def scrub(self, vf: int) -> None:
         fd, size = self._fbs[vf]
         punch_hole(fd, size)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 from enum import IntEnum
 
 import numpy as np
@@ -59,12 +58,6 @@ class StatusArea:
     def bump(self, word: Word, by: int = 1) -> None:
         # Safe only because each word has a single writer.
         self.words[word] += by
-
-    def running_for_ns(self) -> int:
-        """How long the current kernel has been running in wall time (0 when none)."""
-        if not self[Word.CURRENT_SEQ]:
-            return 0
-        return max(0, time.monotonic_ns() - self[Word.CURRENT_START_NS])
 
     def close(self) -> None:
         del self.words

@@ -140,9 +140,6 @@ class Host:
             self.loop.add_signal_handler(sig, self._stop.set)
         await self._stop.wait()
 
-    def request_stop(self) -> None:
-        self._stop.set()
-
     async def stop(self) -> None:
         for srv in self._servers:
             srv.close()
@@ -313,7 +310,7 @@ class Host:
                 await self.start_engine(vf)
             except DeviceError as e:
                 self.vfm.transition(vf, S.RESETTING, f"engine did not restart after fini: {e}")
-                await self.resetter._device_reset_locked(f"VF{vf.index}: {e}")
+                await self.resetter.device_reset(f"VF{vf.index}: {e}")
                 return
             self.vfm.transition(vf, S.AVAIL, "fini: FB scrubbed")
 

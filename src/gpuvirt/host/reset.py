@@ -118,7 +118,7 @@ class Resetter:
                 await host.start_engine(vf)
             except DeviceError as e:
                 steps.done("engine_start_failed", error=str(e))
-                await self._device_reset_locked(f"VF{vf.index} engine did not restart: {e}")
+                await self.device_reset(f"VF{vf.index} engine did not restart: {e}")
                 return
             steps.done("engine_start")
             self._send(vf, HostMsg.FLR_NOTIFICATION_COMPLETION)
@@ -131,10 +131,7 @@ class Resetter:
             )  # fmt: skip
 
     async def device_reset(self, reason: str) -> None:
-        async with self._lock:
-            await self._device_reset_locked(reason)
-
-    async def _device_reset_locked(self, reason: str) -> None:
+        """Reset every VF. The caller holds host.lifecycle (an FLR or fini that failed)."""
         host = self.host
         steps = Steps(host, None, "device_reset")
         host.events.emit(Category.RESET, "device_reset.start", f"device reset: {reason}", None)
