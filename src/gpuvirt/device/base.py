@@ -44,6 +44,17 @@ LEGAL_AFTER: dict[WSCommand, frozenset[WSCommand]] = {
 }
 
 
+# command -> the Engine method that carries it out on a backend
+_STEP: dict[WSCommand, str] = {
+    WSCommand.INIT_GPU: "_do_init",
+    WSCommand.RUN_GPU: "_do_run",
+    WSCommand.IDLE_GPU: "_do_idle",
+    WSCommand.SAVE_GPU_STATE: "_do_save",
+    WSCommand.LOAD_GPU_STATE: "_do_load",
+    WSCommand.SHUTDOWN_GPU: "_do_shutdown",
+}
+
+
 class CommandTimeout(DeviceError):
     """A world-switch command was not done within cmd_timeout: the VF hangs."""
 
@@ -82,14 +93,7 @@ class Engine(abc.ABC):
             )
         t0 = time.monotonic()
         self.deadline = t0 + timeout
-        {
-            WSCommand.INIT_GPU: self._do_init,
-            WSCommand.RUN_GPU: self._do_run,
-            WSCommand.IDLE_GPU: self._do_idle,
-            WSCommand.SAVE_GPU_STATE: self._do_save,
-            WSCommand.LOAD_GPU_STATE: self._do_load,
-            WSCommand.SHUTDOWN_GPU: self._do_shutdown,
-        }[cmd](timeout)
+        getattr(self, _STEP[cmd])(timeout)
         self.deadline = None
         self.last = cmd
         return time.monotonic() - t0

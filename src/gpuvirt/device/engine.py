@@ -29,6 +29,7 @@ import array
 import contextlib
 import os
 import pickle
+import select
 import selectors
 import signal
 import socket
@@ -313,8 +314,6 @@ class CoopEngineLoop(EngineLoop):
 
 
 def select_readable(sock: socket.socket) -> bool:
-    import select
-
     return bool(select.select([sock], [], [], 0)[0])
 
 

@@ -29,7 +29,7 @@ import os
 import selectors
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -94,7 +94,9 @@ class SchedStats:
     switches: int = 0
     latencies_ns: deque[int] = field(default_factory=lambda: deque(maxlen=100_000))
     # per world-switch command: durations in ns, for finding where a slow switch went
-    commands_ns: dict[str, deque[int]] = field(default_factory=dict)
+    commands_ns: dict[str, deque[int]] = field(
+        default_factory=lambda: defaultdict(lambda: deque(maxlen=10_000))
+    )
 
 
 FaultHandler = Callable[[int, str, str], None]
@@ -153,9 +155,6 @@ class Scheduler:
     def set_exclusive(self, vf: int | None) -> Future[None]:
         """FULLACCESS: run only this VF; done once it runs alone. None ends it."""
         return self._call(self._op_set_exclusive, vf)
-
-    def set_weight(self, vf: int, weight: float) -> Future[None]:
-        return self._call(self._op_set_weight, vf, weight)
 
     def snapshot(self) -> dict[str, Any]:
         """Counters for status and metrics; reads ints only, safe from any thread."""
@@ -365,7 +364,7 @@ class Scheduler:
 
     def _cmd(self, e: Entry, cmd: WSCommand) -> None:
         took = e.engine.command(cmd, self.cmd_timeout)
-        self.stats.commands_ns.setdefault(cmd.name, deque(maxlen=10_000)).append(int(took * 1e9))
+        self.stats.commands_ns[cmd.name].append(int(took * 1e9))
 
     def _switch(self, nxt: Entry | None) -> None:
         """IDLE(cur) SAVE(cur) LOAD(nxt) RUN(nxt); bookkeeping only once nxt runs."""
@@ -531,9 +530,6 @@ class Scheduler:
         if vf is None:
             return None
         return _DEFERRED
-
-    def _op_set_weight(self, vf: int, weight: float) -> None:
-        self.entries[vf].weight = weight
 
     def _op_stop(self) -> None:
         self._stopping = True
