@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from gpuvirt.cli.admin_client import AdminClient
+from gpuvirt.admin_client import AdminClient
 from gpuvirt.config import HostConfig, load_config
 from gpuvirt.errors import GpuvirtError
 

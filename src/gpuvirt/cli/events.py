@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from gpuvirt.cli.admin_client import AdminClient
+from gpuvirt.admin_client import AdminClient
 from gpuvirt.cli.common import ConfigOpt, admin, err_console, fail
 from gpuvirt.cli.main import app
 from gpuvirt.cli.top import make_console, quiet_broken_pipe

@@ -24,7 +24,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from gpuvirt.cli.admin_client import AdminClient
+from gpuvirt.admin_client import AdminClient
 from gpuvirt.cli.common import ConfigOpt, JsonOpt, admin, fail, print_json
 from gpuvirt.cli.main import app
 from gpuvirt.errors import GpuvirtError

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuvirt.cli.admin_client import AdminClient
+from gpuvirt.admin_client import AdminClient
 from gpuvirt.config import HostConfig, load_or_create_token
 from gpuvirt.errors import GpuvirtError
 
