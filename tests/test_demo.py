@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
-import numpy as np
 import pytest
 
-from gpuvirt.cli import demo
-from gpuvirt.cli.demo import netgpu_available
+from gpuvirt.cli.demo.sender import netgpu_available
 
 FLR_STEPS = {"off_schedule", "notify", "kill", "scrub", "engine_start"}
 
@@ -61,7 +55,11 @@ def test_demo_verifies_everything_and_leaves_nothing_behind() -> None:
     for vf, w in ((0, 1), (1, 2), (2, 3)):
         assert shares[vf]["weight"] == w
         assert shares[vf]["configured"] == pytest.approx(w / 6, abs=1e-4)
-        assert 0 < shares[vf]["achieved"] < 1
+    # Weighted: device time in the calm part of the run follows the weights' order
+    # (round robin or fairness would give each VF a third).
+    steady = [shares[vf]["achieved_steady"] for vf in (0, 1, 2)]
+    assert None not in steady, "no interval with every VF active and no FLR"
+    assert steady[0] < steady[1] < steady[2], steady
     assert sum(x["achieved"] for x in s["shares"]) == pytest.approx(1, abs=1e-3)
 
     # Work: every VF verified results and none was wrong.
@@ -91,68 +89,3 @@ def test_demo_verifies_everything_and_leaves_nothing_behind() -> None:
     assert len(s["pids"]["engines"]) >= 4, "three engines, and a fresh one after the FLR"
     assert [p for p in pids if running(p)] == []
     assert orphan_engines() - orphans_before == set(), "an engine outlived its host"
-
-
-class StandInFrag:
-    def __init__(self, pool: StandInPool, offset: int, size: int, token: int, seq: int) -> None:
-        self.pool, self.offset, self.size, self.token, self.stream, self.seq = (
-            pool,
-            offset,
-            size,
-            token,
-            0,
-            seq,
-        )
-
-    def array(self, dtype: Any) -> np.ndarray:
-        return np.frombuffer(self.pool.mem, dtype, count=self.size, offset=self.offset)
-
-
-class StandInPool:
-    """DESIGN.md's NetGPU pool API over host memory: checks the demo's side of it alone."""
-
-    def __init__(self, nbytes: int, chunk: int) -> None:
-        self.mem = bytearray(nbytes)
-        self.chunk = chunk
-        self.free = list(range(nbytes // chunk))
-        self.outstanding: set[int] = set()
-
-    def receive(self, sock: socket.socket) -> Iterator[StandInFrag]:
-        seq = 0
-        while True:
-            slot = self.free.pop()  # the demo releases every fragment, so this never runs dry
-            n = sock.recv_into(memoryview(self.mem)[slot * self.chunk : (slot + 1) * self.chunk])
-            if not n:
-                return
-            self.outstanding.add(slot)
-            yield StandInFrag(self, slot * self.chunk, n, slot, seq)
-            seq += 1
-
-    def release(self, tokens: list[int]) -> None:
-        for t in tokens:
-            self.outstanding.remove(t)
-            self.free.append(t)
-
-
-@pytest.mark.timeout(60)
-def test_stream_check_against_a_stand_in_pool() -> None:
-    """The demo's sender and its receiving guest agree on bytes and sha256, odd tail included."""
-    pools: list[StandInPool] = []
-
-    def pool(nbytes: int, chunk: int) -> StandInPool:
-        pools.append(StandInPool(nbytes, chunk))
-        return pools[-1]
-
-    gpu = SimpleNamespace(netgpu=SimpleNamespace(pool=pool))
-    sender = demo.StreamSender(3 * demo.NETGPU_CHUNK + demo.NETGPU_TAIL, rate=1 << 34, seed=3)
-    sender.start()
-    reports: list[dict[str, Any]] = []
-    net: dict[str, Any] = {}
-    spec = {"addr": list(sender.addr), "pool": 4 * 65536, "chunk": 65536}
-    demo._netgpu_rx(gpu, spec, lambda ev, **d: reports.append(d), net)
-    sender.join(30)
-    assert "errors" not in net and sender.error is None
-    assert net["bytes"] == sender.sent == 3 * demo.NETGPU_CHUNK + demo.NETGPU_TAIL
-    assert net["sha256"] == sender.sha256
-    assert pools[0].outstanding == set(), "every fragment was released"
-    assert reports[-1] == {"bytes": sender.sent, "final": True}

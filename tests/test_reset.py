@@ -79,7 +79,13 @@ def test_pending_launches_fail_with_vf_reset_error(make_host: MakeHost) -> None:
     from gpuvirt.bench.workers import hang
 
     fut = gpu.launch(hang)
-    assert hp.admin.vf(1, "reset")["state"] in ("AVAIL", "ACTIVE", "FULLACCESS")
+    after = last_seq(hp)
+    flrs = hp.admin.vf(1)["flr_count"]
+    # The admin call returns once the FLR is done; the guest's re-init may already
+    # have begun, so the state it reports is not the point: one FLR, by the admin, is.
+    assert hp.admin.vf(1, "reset")["flr_count"] == flrs + 1
+    done = wait_event(hp, flr_done(1), after=after)
+    assert done["data"]["reason"] == "admin"
     with pytest.raises(gpuvirt.VFResetError, match="reset"):
         fut.result(30)
     gpu.wait_ready()

@@ -12,7 +12,6 @@ from rich.table import Table
 from gpuvirt.bench import SUITES
 from gpuvirt.bench.common import Result
 from gpuvirt.cli.common import JsonOpt, console, fail, print_json
-from gpuvirt.cli.main import app
 
 
 def run_suite(name: str, quick: bool, backend: str) -> Result:
@@ -33,7 +32,6 @@ def result_table(r: Result) -> Table:
     return t
 
 
-@app.command()
 def bench(
     name: Annotated[str, typer.Argument(help=f"One of: {', '.join(SUITES)}, all")],
     json: JsonOpt = False,

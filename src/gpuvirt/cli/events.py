@@ -21,7 +21,6 @@ from rich.text import Text
 
 from gpuvirt.admin_client import AdminClient
 from gpuvirt.cli.common import ConfigOpt, admin, err_console, fail
-from gpuvirt.cli.main import app
 from gpuvirt.cli.top import make_console, quiet_broken_pipe
 from gpuvirt.errors import GpuvirtError, HostUnreachableError
 
@@ -125,7 +124,6 @@ def _host_pid(client: AdminClient) -> Any:
     return client.status().get("pid")
 
 
-@app.command()
 def events(
     config: ConfigOpt = None,
     follow_: Annotated[

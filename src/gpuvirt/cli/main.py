@@ -1,10 +1,15 @@
-"""The `gpuvirt` command."""
+"""The `gpuvirt` command: every subcommand registered in one place.
+
+Subcommand modules define plain functions (or their own Typer groups) and
+never import this module, so there is no cycle between the app and them.
+"""
 
 from __future__ import annotations
 
 import typer
 
-from gpuvirt.cli import netgpu, vf
+from gpuvirt.cli import bench, events, netgpu, top, vf
+from gpuvirt.cli.demo.command import demo
 from gpuvirt.cli.host_cmd import host
 
 app = typer.Typer(
@@ -14,14 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-app.command()(host)
+for command in (host, top.top, events.events, bench.bench, demo):
+    app.command()(command)
 app.add_typer(vf.app, name="vf")
 app.add_typer(netgpu.app, name="netgpu")
-
-
-def _register_optional() -> None:
-    # Each of these modules registers its own commands on `app`.
-    from gpuvirt.cli import bench, demo, events, top  # noqa: F401
-
-
-_register_optional()

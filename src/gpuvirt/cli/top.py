@@ -26,7 +26,6 @@ from rich.text import Text
 
 from gpuvirt.admin_client import AdminClient
 from gpuvirt.cli.common import ConfigOpt, JsonOpt, admin, fail, print_json
-from gpuvirt.cli.main import app
 from gpuvirt.errors import GpuvirtError
 
 STATE_STYLE = {
@@ -270,7 +269,6 @@ def with_rates(
 # ---- the command --------------------------------------------------------------------
 
 
-@app.command()
 def top(
     config: ConfigOpt = None,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,

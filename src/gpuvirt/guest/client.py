@@ -59,7 +59,6 @@ from gpuvirt.protocol.mailbox import (
 __all__ = ["Gpu", "attach", "kernel"]
 
 DRIVER_VERSION = "gpuvirt-guest 0.1.0"
-ACK_TIMEOUT_S = 0.5  # DESIGN.md: acknowledgement
 REPLY_TIMEOUT_S = 15.0  # a reply that may wait for the schedule
 FLR_TIMEOUT_S = 10.0  # FLR completion
 
