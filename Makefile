@@ -17,10 +17,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check src tests
 
 bench: $(STAMP)

@@ -12,6 +12,7 @@ from gpuvirt.errors import (
     StaleBufferError,
     VFResetError,
 )
+from gpuvirt.version import __version__
 
 __all__ = [
     "AuthRefusedError",
@@ -24,11 +25,11 @@ __all__ = [
     "OutOfMemoryError",
     "StaleBufferError",
     "VFResetError",
+    "__version__",
     "attach",
     "kernel",
 ]
 
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

@@ -30,8 +30,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-import gpuvirt
 from gpuvirt.host.vfmgr import VFState
+from gpuvirt.version import __version__
 
 if TYPE_CHECKING:
     from gpuvirt.host.daemon import Host
@@ -116,7 +116,7 @@ def _device(host: Host, status: dict[str, Any], st: _State) -> Iterator[Metric]:
         {
             "backend": status["backend"],
             "policy": status["policy"],
-            "version": gpuvirt.__version__,
+            "version": __version__,
         },
     )
     yield info

@@ -1,0 +1,81 @@
+"""The import graph: DESIGN.md's layers (import-linter) and no cycle between modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append(
+                        (child, iter(sorted(graph.find_modules_directly_imported_by(child))))
+                    )
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                scc = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    scc.append(m)
+                    if m == node:
+                        break
+                if len(scc) > 1:
+                    found.append(sorted(scc))
+    return found
+
+
+def test_no_import_cycle_between_modules() -> None:
+    graph = grimp.build_graph("gpuvirt", exclude_type_checking_imports=True)
+    assert cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    """The finder itself, on a graph with one cycle and one chain."""
+    g = grimp.ImportGraph()
+    for m in ("a", "b", "c", "d"):
+        g.add_module(m)
+    g.add_import(importer="a", imported="b")
+    g.add_import(importer="b", imported="c")
+    g.add_import(importer="c", imported="a")
+    g.add_import(importer="c", imported="d")
+    assert cycles(g) == [["a", "b", "c"]]
+
+
+def test_layer_contracts_hold() -> None:
+    """import-linter's contracts in pyproject.toml (make test runs them too, as lint-imports)."""
+    r = subprocess.run(
+        [str(Path(sys.executable).with_name("lint-imports")), "--no-cache"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-4000:]
