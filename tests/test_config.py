@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuvirt import config
+from gpuvirt import config, paths
 from gpuvirt.config import (
     FB_ALIGN,
     GiB,
@@ -19,6 +19,7 @@ from gpuvirt.config import (
     HostSection,
     KiB,
     MiB,
+    config_from_dict,
     default_runtime_dir,
     default_state_dir,
     format_size,
@@ -33,10 +34,10 @@ from gpuvirt.errors import ConfigError
 
 # Captured before the isolation fixture repoints them at tmp_path.
 REAL_PATHS = {
-    "SYSTEM_RUNTIME_DIR": config.SYSTEM_RUNTIME_DIR,
-    "SYSTEM_STATE_DIR": config.SYSTEM_STATE_DIR,
-    "TMP_ROOT": config.TMP_ROOT,
-    "DEFAULT_CONFIG_PATH": config.DEFAULT_CONFIG_PATH,
+    "SYSTEM_RUNTIME_DIR": paths.SYSTEM_RUNTIME_DIR,
+    "SYSTEM_STATE_DIR": paths.SYSTEM_STATE_DIR,
+    "TMP_ROOT": paths.TMP_ROOT,
+    "DEFAULT_CONFIG_PATH": paths.DEFAULT_CONFIG_PATH,
 }
 
 
@@ -46,10 +47,11 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "sys"
     for sub in ("run", "varlib", "tmp", "etc", "home"):
         (root / sub).mkdir(parents=True)
-    monkeypatch.setattr(config, "SYSTEM_RUNTIME_DIR", root / "run" / "gpuvirt")
-    monkeypatch.setattr(config, "SYSTEM_STATE_DIR", root / "varlib" / "gpuvirt")
-    monkeypatch.setattr(config, "TMP_ROOT", root / "tmp")
-    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", root / "etc" / "gpuvirt.toml")
+    # Where the rules read them: gpuvirt.paths (config re-exports the values only).
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", root / "run" / "gpuvirt")
+    monkeypatch.setattr(paths, "SYSTEM_STATE_DIR", root / "varlib" / "gpuvirt")
+    monkeypatch.setattr(paths, "TMP_ROOT", root / "tmp")
+    monkeypatch.setattr(paths, "DEFAULT_CONFIG_PATH", root / "etc" / "gpuvirt.toml")
     for var in ("GPUVIRT_CONFIG", "XDG_RUNTIME_DIR", "XDG_STATE_HOME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(root / "home"))
@@ -87,9 +89,9 @@ def test_defaults_match_design() -> None:
     assert REAL_PATHS["SYSTEM_STATE_DIR"] == Path("/var/lib/gpuvirt")
     assert REAL_PATHS["TMP_ROOT"] == Path("/tmp")
     assert REAL_PATHS["DEFAULT_CONFIG_PATH"] == Path("/etc/gpuvirt/gpuvirt.toml")
-    assert cfg.host.socket_path() == config.SYSTEM_RUNTIME_DIR / "host.sock"
-    assert cfg.host.admin_address() == config.SYSTEM_RUNTIME_DIR / "admin.sock"
-    assert cfg.host.state_path() == config.SYSTEM_STATE_DIR
+    assert cfg.host.socket_path() == paths.SYSTEM_RUNTIME_DIR / "host.sock"
+    assert cfg.host.admin_address() == paths.SYSTEM_RUNTIME_DIR / "admin.sock"
+    assert cfg.host.state_path() == paths.SYSTEM_STATE_DIR
 
 
 def test_default_layout_splits_evenly() -> None:
@@ -98,7 +100,7 @@ def test_default_layout_splits_evenly() -> None:
     assert [p.fb for p in plans] == [448 * MiB] * 4  # (2 GiB - 256 MiB) / 4
     assert all(p.weight == 1.0 and p.allowed_uids is None for p in plans)
     assert [p.token_file for p in plans] == [
-        config.SYSTEM_STATE_DIR / f"vf{i}.token" for i in range(4)
+        paths.SYSTEM_STATE_DIR / f"vf{i}.token" for i in range(4)
     ]
 
 
@@ -417,7 +419,7 @@ def config_dicts(draw: st.DrawFn) -> dict[str, object]:
 @given(config_dicts())
 def test_validation_errors_never_escape(data: dict[str, object]) -> None:
     try:
-        HostConfig.from_dict(data)
+        config_from_dict(data)
     except ConfigError as e:
         assert str(e).startswith("invalid configuration")
 
@@ -466,7 +468,7 @@ def test_malformed_overrides_are_refused(overrides: dict[str, object], fragment:
 
 def test_config_search_order(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_config().sriov.vf_num == 4  # nothing anywhere: built-in defaults
-    config.DEFAULT_CONFIG_PATH.write_text("[sriov]\nvf_num = 5\n")
+    paths.DEFAULT_CONFIG_PATH.write_text("[sriov]\nvf_num = 5\n")
     assert load_config().sriov.vf_num == 5
     env_file = isolated / "env.toml"
     env_file.write_text("[sriov]\nvf_num = 6\n")
@@ -599,9 +601,9 @@ def test_dump_on_cuda_without_a_total_still_parses() -> None:
 
 def test_dump_resolves_defaults_without_creating_directories() -> None:
     text = HostConfig().dump_toml()
-    assert f'socket = "{config.SYSTEM_RUNTIME_DIR}/host.sock"' in text
-    assert not config.SYSTEM_RUNTIME_DIR.exists()
-    assert not config.SYSTEM_STATE_DIR.exists()
+    assert f'socket = "{paths.SYSTEM_RUNTIME_DIR}/host.sock"' in text
+    assert not paths.SYSTEM_RUNTIME_DIR.exists()
+    assert not paths.SYSTEM_STATE_DIR.exists()
 
 
 # --- admin address ------------------------------------------------------------------
@@ -625,12 +627,12 @@ def test_admin_address_forms(text: str, expected: object) -> None:
 
 def test_runtime_dir_is_the_system_dir_when_usable() -> None:
     path = default_runtime_dir()
-    assert path == config.SYSTEM_RUNTIME_DIR
+    assert path == paths.SYSTEM_RUNTIME_DIR
     assert stat.S_IMODE(path.stat().st_mode) == 0o755
 
 
 def test_runtime_dir_falls_back_to_xdg(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
     xdg = isolated / "xdg"
     xdg.mkdir()
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
@@ -644,9 +646,9 @@ def test_runtime_dir_falls_back_to_xdg(isolated: Path, monkeypatch: pytest.Monke
 def test_runtime_dir_falls_back_to_private_tmp(
     isolated: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(config, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", "relative/ignored")
-    expected = config.TMP_ROOT / f"gpuvirt-{os.getuid()}"
+    expected = paths.TMP_ROOT / f"gpuvirt-{os.getuid()}"
     assert default_runtime_dir(create=False) == expected
     assert not expected.exists()
     assert default_runtime_dir() == expected
@@ -654,18 +656,18 @@ def test_runtime_dir_falls_back_to_private_tmp(
 
 
 def test_runtime_dir_skips_missing_xdg_dir(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(isolated / "no-such-xdg"))
-    assert default_runtime_dir() == config.TMP_ROOT / f"gpuvirt-{os.getuid()}"
+    assert default_runtime_dir() == paths.TMP_ROOT / f"gpuvirt-{os.getuid()}"
     assert not (isolated / "no-such-xdg").exists()
 
 
 def test_private_tmp_dir_of_another_uid_is_refused(
     isolated: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(config, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
     other = os.getuid() + 4242
-    (config.TMP_ROOT / f"gpuvirt-{other}").mkdir()  # owned by us, not by "other"
+    (paths.TMP_ROOT / f"gpuvirt-{other}").mkdir()  # owned by us, not by "other"
     monkeypatch.setattr(os, "getuid", lambda: other)
     for create in (True, False):
         with pytest.raises(ConfigError, match=f"belongs to uid {os.stat(isolated).st_uid}"):
@@ -675,26 +677,26 @@ def test_private_tmp_dir_of_another_uid_is_refused(
 def test_private_tmp_dir_that_is_a_link_is_refused(
     isolated: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(config, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", blocked(isolated / "run2" / "gpuvirt"))
     target = isolated / "elsewhere"
     target.mkdir()
-    (config.TMP_ROOT / f"gpuvirt-{os.getuid()}").symlink_to(target)
+    (paths.TMP_ROOT / f"gpuvirt-{os.getuid()}").symlink_to(target)
     with pytest.raises(ConfigError, match="not a directory"):
         default_runtime_dir()
 
 
 def test_own_private_tmp_dir_is_made_private(monkeypatch: pytest.MonkeyPatch) -> None:
-    path = config.TMP_ROOT / f"gpuvirt-{os.getuid()}"
+    path = paths.TMP_ROOT / f"gpuvirt-{os.getuid()}"
     path.mkdir()
     os.chmod(path, 0o755)
-    monkeypatch.setattr(config, "SYSTEM_RUNTIME_DIR", blocked(config.SYSTEM_RUNTIME_DIR))
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", blocked(paths.SYSTEM_RUNTIME_DIR))
     assert default_runtime_dir() == path
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
 
 
 def test_state_dir_fallbacks(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert default_state_dir(create=False) == config.SYSTEM_STATE_DIR
-    monkeypatch.setattr(config, "SYSTEM_STATE_DIR", blocked(isolated / "varlib2" / "gpuvirt"))
+    assert default_state_dir(create=False) == paths.SYSTEM_STATE_DIR
+    monkeypatch.setattr(paths, "SYSTEM_STATE_DIR", blocked(isolated / "varlib2" / "gpuvirt"))
     monkeypatch.setenv("XDG_STATE_HOME", str(isolated / "xdgstate" / "deep"))
     path = default_state_dir()
     assert path == isolated / "xdgstate" / "deep" / "gpuvirt"
@@ -708,7 +710,7 @@ def test_explicit_paths_are_used_as_given() -> None:
     assert cfg.host.socket_path() == Path("/a/b.sock")
     assert cfg.host.admin_address() == Path("/a/admin.sock")
     assert cfg.host.state_path() == Path("/s")
-    assert not config.SYSTEM_RUNTIME_DIR.exists()
+    assert not paths.SYSTEM_RUNTIME_DIR.exists()
 
 
 # --- tokens -------------------------------------------------------------------------
@@ -824,3 +826,21 @@ def test_parse_token_refuses_without_echoing(value: object, reason: str) -> None
         parse_token(value)  # type: ignore[arg-type]
     if isinstance(value, str) and value:
         assert value[:6] not in str(info.value)
+
+
+def test_a_guest_finds_the_socket_the_config_file_names(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """paths.mailbox_socket: the host's [host] socket, read without the config model."""
+    assert paths.mailbox_socket() == default_runtime_dir(create=False) / "host.sock"
+    cfg = isolated / "g.toml"
+    cfg.write_text('[host]\nsocket = "/srv/gv/host.sock"\n')
+    monkeypatch.setenv("GPUVIRT_CONFIG", str(cfg))
+    assert paths.mailbox_socket() == Path("/srv/gv/host.sock")
+    assert load_config().host.socket_path() == paths.mailbox_socket()
+    cfg.write_text('[host]\nsocket = "relative.sock"\n')
+    with pytest.raises(ConfigError, match=r"host\.socket = 'relative\.sock': not an absolute path"):
+        paths.mailbox_socket()
+    cfg.write_text("[host\n")
+    with pytest.raises(ConfigError, match="cannot read"):
+        paths.mailbox_socket()

@@ -79,3 +79,15 @@ def test_layer_contracts_hold() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:]
+
+
+def test_a_tenant_process_does_not_load_pydantic() -> None:
+    """What a guest imports to attach (its token, its socket) pulls in no host config."""
+    code = (
+        "import sys, gpuvirt.guest.client, gpuvirt.guest.queue; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('pydantic', 'typer', 'rich') or m.startswith(('gpuvirt.config', 'gpuvirt.host'))))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

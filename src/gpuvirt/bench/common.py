@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuvirt.config import HostConfig
+from gpuvirt.config import HostConfig, config_from_dict
 from gpuvirt.host.process import HostProcess
 
 
@@ -75,7 +75,7 @@ def host_config(workdir: Path, **sections: dict[str, Any]) -> HostConfig:
             base["vf"] = values
         else:
             base.setdefault(name, {}).update(values)
-    return HostConfig.from_dict(base)
+    return config_from_dict(base)
 
 
 @contextlib.contextmanager

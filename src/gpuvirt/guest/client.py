@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from gpuvirt.config import parse_token
 from gpuvirt.errors import (
     AuthRefusedError,
     DetachedError,
@@ -36,6 +35,7 @@ from gpuvirt.errors import (
 from gpuvirt.guest.memory import Allocator, Buffer, MappedFB
 from gpuvirt.guest.queue import CommandQueue, Kernel, LaunchFuture, kernel
 from gpuvirt.guest.staging import StagedFB, StagingArea
+from gpuvirt.paths import mailbox_socket
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (
     BLOCK_SIZE,
@@ -55,6 +55,7 @@ from gpuvirt.protocol.mailbox import (
     HostMsg,
     alive_reply,
 )
+from gpuvirt.tokens import parse_token
 
 __all__ = ["Gpu", "attach", "kernel"]
 
@@ -387,11 +388,7 @@ def attach(
     """Attach to a VF. Defaults come from GPUVIRT_VF, GPUVIRT_SOCKET, GPUVIRT_TOKEN."""
     import socket as socket_mod
 
-    from gpuvirt.config import load_config
-
-    path = (
-        socket or os.environ.get("GPUVIRT_SOCKET") or load_config().host.socket_path(create=False)
-    )
+    path = socket or os.environ.get("GPUVIRT_SOCKET") or mailbox_socket()
     if vf is None:
         env = os.environ.get("GPUVIRT_VF")
         if env is None:

@@ -1,0 +1,38 @@
+"""Every default and fixed number of the host, in one place (DESIGN.md, "Configuration").
+
+Other modules read a `HostConfig` or these constants; they never carry their
+own copy of a number.
+"""
+
+from __future__ import annotations
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+DEFAULT_EMU_FB_TOTAL = 2 * GiB
+DEFAULT_PF_FB = 256 * MiB
+DEFAULT_VF_NUM = 4
+MAX_VF_NUM = 31  # GIM's limit
+DEFAULT_POLICY = "liquid"
+DEFAULT_TIME_SLICE_MS = 6  # GIM's GFX default
+MAX_TIME_SLICE_MS = 500
+DEFAULT_CMD_TIMEOUT_MS = 500
+DEFAULT_JOB_TIMEOUT_S = 10.0
+DEFAULT_FULLACCESS_TIMEOUT_MS = 1500
+DEFAULT_READY_TO_RESET_WAIT_MS = 10
+DEFAULT_GUARD_FLR = "3/60s"
+DEFAULT_VF_WEIGHT = 1.0
+
+FB_RESERVED = 128 * KiB  # head of every FB: PF2VF at 64 KiB, VF2PF at 65 KiB
+MIN_VF_FB = 1 * MiB
+FB_ALIGN = 64 * KiB  # VFs sized by the split start and end on this boundary
+
+# --- host mechanism constants (not configurable; here so every number lives in one file) ---
+
+ENGINE_START_TIMEOUT_S = 30.0  # INIT_GPU of a fresh engine process: a Python start, not a switch
+LIVENESS_INTERVAL_S = 5.0  # QUERY_ALIVE period per guest
+LIVENESS_TIMEOUT_S = 2.0  # DESIGN.md: no answer within 2 s = the guest is gone
+VF2PF_INTERVAL_MS = 2000  # PF2VF tells the guest this; the host reads VF2PF as often
+VF2PF_MAX_BAD = 5  # consecutive bad VF2PF reads before the VF is logged untrustworthy
