@@ -55,8 +55,8 @@ from gpuvirt.device.base import (
     EngineSpec,
     WSCommand,
 )
+from gpuvirt.device.ctl import CTL_FAIL, CTL_WAKE
 from gpuvirt.device.emu import FAULT_ENV, _Faults, punch_hole
-from gpuvirt.device.engine import CTL_FAIL, CTL_WAKE
 from gpuvirt.device.process import ProcessEngine
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError

@@ -27,7 +27,7 @@ from gpuvirt.device.base import (
     EngineSpec,
     Watchdog,
 )
-from gpuvirt.device.engine import ADOPT, CTL_ADOPT
+from gpuvirt.device.ctl import ADOPT, CTL_ADOPT
 from gpuvirt.device.process import ProcessEngine, send_fd
 from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.command import BufDesc, Copy

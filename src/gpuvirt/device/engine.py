@@ -25,7 +25,6 @@ attached), or exit. Kernels are the tenant's own code and run only here.
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
 import os
 import pickle
@@ -33,7 +32,6 @@ import select
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
@@ -42,19 +40,21 @@ from typing import Any, Protocol
 import cloudpickle
 
 from gpuvirt.device.base import WSCommand
+from gpuvirt.device.ctl import (
+    ADOPT,
+    CTL_ACK,
+    CTL_ADOPT,
+    CTL_EXIT,
+    CTL_FAIL,
+    CTL_GUEST,
+    CTL_WAKE,
+    recv_fd,
+)
 from gpuvirt.device.status import MAGIC, StatusArea, Word
 from gpuvirt.protocol.command import MAX_MESSAGE, BufDesc, Copy, Kind, Message, Status
 from gpuvirt.protocol.errors import ProtocolError
 
 MAX_RESULT = MAX_MESSAGE - 1024  # a DONE message must fit one datagram
-CTL_GUEST = b"G"
-CTL_ADOPT = b"A"  # + struct ADOPT (vf, FB size), the FB fd attached: a spare takes a VF
-ADOPT = struct.Struct("<IQ")
-CTL_EXIT = b"X"
-CTL_WAKE = b"W"
-# engine -> host, cooperative engines only
-CTL_ACK = b"A"  # ACK_SERIAL has moved
-CTL_FAIL = b"F"  # followed by utf-8 text: the engine could not start and is exiting
 
 
 class Executor(Protocol):
@@ -69,15 +69,6 @@ class Executor(Protocol):
     def copy_out(self, copy: Copy) -> None: ...
 
     def synchronize(self) -> None: ...
-
-
-def recv_fd(sock: socket.socket) -> tuple[bytes, int | None]:
-    fds = array.array("i")
-    msg, ancdata, _flags, _addr = sock.recvmsg(64, socket.CMSG_SPACE(fds.itemsize))
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-    return msg, (fds[0] if fds else None)
 
 
 class EngineLoop:

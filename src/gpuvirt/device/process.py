@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from gpuvirt.device.base import Engine, EngineSpec
-from gpuvirt.device.engine import CTL_EXIT, CTL_GUEST
+from gpuvirt.device.ctl import CTL_EXIT, CTL_GUEST
 from gpuvirt.device.status import StatusArea
 
 # An engine is one execution context, as a VF is one slice of the device. It also
