@@ -363,11 +363,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     executor: Executor
     if a.backend == "emu":
-        from gpuvirt.device.emu import EmuExecutor
+        from gpuvirt.device.emu_executor import EmuExecutor
 
         executor = EmuExecutor(a.fb_fd, a.fb_size)
     else:
-        from gpuvirt.device.cuda import CudaExecutor
+        from gpuvirt.device.cuda_executor import CudaExecutor
 
         executor = CudaExecutor(a.fb_fd, a.fb_size, a.vf)
     status[Word.PID] = os.getpid()
@@ -397,11 +397,11 @@ def _main_coop(a: argparse.Namespace) -> None:
     executor: Executor
     try:
         if a.backend == "emu":
-            from gpuvirt.device.emu import EmuExecutor
+            from gpuvirt.device.emu_executor import EmuExecutor
 
             executor = EmuExecutor(a.fb_fd, a.fb_size)
         else:
-            from gpuvirt.device.cuda import CudaExecutor
+            from gpuvirt.device.cuda_executor import CudaExecutor
 
             executor = CudaExecutor(a.fb_fd, a.fb_size, a.vf)
     except Exception as e:
