@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # The guest library pulls in numpy and cloudpickle; the host CLI should not pay for them.
     if name in ("attach", "kernel"):
+        import gpuvirt.netgpu  # noqa: F401  (registers gpu.netgpu with the guest library)
         from gpuvirt.guest import client
 
         return getattr(client, name)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpuvirt.errors import BufferLostError
+from gpuvirt.guest.extension import register_netgpu
 from gpuvirt.guest.memory import ALIGN
 from gpuvirt.netgpu.errors import NetGPUError, TokenError
 from gpuvirt.netgpu.providers import Provider, Selection, select_provider
@@ -82,6 +83,9 @@ class NetGPU:
         for pool in list(self._pools):
             for rx in list(pool._rxs):
                 rx.interrupt()
+
+
+register_netgpu(NetGPU)
 
 
 class Pool:
