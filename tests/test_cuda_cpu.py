@@ -36,7 +36,7 @@ from gpuvirt.device.cuda import (
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError, GpuvirtError, StateError
 from gpuvirt.guest.queue import CommandQueue, kernel
-from gpuvirt.protocol.command import BufDesc, Copy, Kind
+from gpuvirt.protocol.command import BufDesc
 from gpuvirt.protocol.info import PF2VF_OFFSET, RESERVED_SIZE
 
 # Kernels defined here run in engine processes that cannot import this module.
@@ -302,16 +302,6 @@ def test_switch_latency_is_a_socket_round_trip(rig: Rig) -> None:
 # ---- the staged FB path against a real emu host ------------------------------------
 
 
-def _emu_staging_or_skip(gpu: Any) -> None:
-    """Skip unless this emu engine carries out staging copies (EmuExecutor.copy_in)."""
-    try:
-        gpu._queue.copy(Kind.COPY_OUT, Copy(RESERVED_SIZE, 0, 16)).result(timeout=10)
-    except GpuvirtError as e:
-        if "no staging copies" in str(e):
-            pytest.skip("EmuExecutor.copy_in/copy_out do not copy yet (docs/cuda.md, emu hook)")
-        raise
-
-
 @pytest.fixture(scope="module")
 def emu_gpu() -> Any:
     import gpuvirt
@@ -321,7 +311,6 @@ def emu_gpu() -> Any:
         scratch_host(sriov={"vf_num": 1}) as hp,
         gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu,
     ):
-        _emu_staging_or_skip(gpu)
         yield gpu
 
 

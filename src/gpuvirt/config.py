@@ -52,10 +52,12 @@ __all__ = [
     "CONFIG_ENV",
     "DEFAULT_CMD_TIMEOUT_MS",
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_COOP_IDLE_TIMEOUT_MS",
     "DEFAULT_EMU_FB_TOTAL",
     "DEFAULT_FULLACCESS_TIMEOUT_MS",
     "DEFAULT_GUARD_FLR",
     "DEFAULT_JOB_TIMEOUT_S",
+    "DEFAULT_KERNEL_SCRATCH",
     "DEFAULT_PF_FB",
     "DEFAULT_POLICY",
     "DEFAULT_READY_TO_RESET_WAIT_MS",
@@ -115,12 +117,14 @@ ADMIN_SOCKET_NAME = "admin.sock"
 
 DEFAULT_EMU_FB_TOTAL = 2 * GiB
 DEFAULT_PF_FB = 256 * MiB
+DEFAULT_KERNEL_SCRATCH = 256 * MiB
 DEFAULT_VF_NUM = 4
 MAX_VF_NUM = 31  # GIM's limit
 DEFAULT_POLICY = "liquid"
 DEFAULT_TIME_SLICE_MS = 6  # GIM's GFX default
 MAX_TIME_SLICE_MS = 500
 DEFAULT_CMD_TIMEOUT_MS = 500
+DEFAULT_COOP_IDLE_TIMEOUT_MS = 2000
 DEFAULT_JOB_TIMEOUT_S = 10.0
 DEFAULT_FULLACCESS_TIMEOUT_MS = 1500
 DEFAULT_READY_TO_RESET_WAIT_MS = 10
@@ -441,6 +445,8 @@ class DeviceSection(BaseModel):
     # None: 2 GiB on emu; on cuda the device's free memory (see HostConfig.effective_fb_total).
     fb_total: NonZeroSize | None = None
     pf_fb: Size = DEFAULT_PF_FB
+    # cuda: each engine's cap on its kernels' temporaries, outside its FB (budgeted).
+    kernel_scratch: Size = DEFAULT_KERNEL_SCRATCH
 
 
 class SriovSection(BaseModel):
@@ -459,6 +465,9 @@ class SchedulerSection(BaseModel):
     policy: Policy = DEFAULT_POLICY
     time_slice_ms: Annotated[int, _in_range(1, MAX_TIME_SLICE_MS)] = DEFAULT_TIME_SLICE_MS
     cmd_timeout_ms: Annotated[int, _in_range(1)] = DEFAULT_CMD_TIMEOUT_MS
+    # Cooperative engines (cuda) acknowledge IDLE at a kernel boundary: this is how long
+    # past its slice a kernel may run before it counts as a hang.
+    coop_idle_timeout_ms: Annotated[int, _in_range(1)] = DEFAULT_COOP_IDLE_TIMEOUT_MS
     job_timeout_s: Annotated[float, _in_range(0, above=True)] = DEFAULT_JOB_TIMEOUT_S
     fullaccess_timeout_ms: Annotated[int, _in_range(1)] = DEFAULT_FULLACCESS_TIMEOUT_MS
 
@@ -556,7 +565,8 @@ class HostConfig(BaseModel):
             if device_total is not None and configured > device_total:
                 raise ConfigError(
                     f"device.fb_total = {format_size(configured)}: the device has only "
-                    f"{format_size(device_total)} free; lower device.fb_total"
+                    f"{format_size(device_total)} free for FBs (after the engines' CUDA "
+                    "contexts and kernel scratch); lower device.fb_total"
                 )
             return configured
         if self.device.backend == "emu":
@@ -602,7 +612,9 @@ class HostConfig(BaseModel):
             return ""
         if self.device.backend == "emu":
             return ", the emu default"
-        return ", the device's free memory" if device_total is not None else ""
+        if device_total is None:
+            return ""
+        return ", the device's free memory less what the engines take outside their FBs"
 
     def _fb_plan(self, fb_total: int | None, note: str) -> tuple[dict[int, int], list[str]]:
         """FB bytes per VF index, and the problems that stop the layout (if any)."""
@@ -691,6 +703,7 @@ class HostConfig(BaseModel):
             if total is not None
             else "# fb_total: not set; the device's free memory at start",
             f"pf_fb = {_toml_str(format_size(d.pf_fb))}",
+            f"kernel_scratch = {_toml_str(format_size(d.kernel_scratch))}",
             "",
             "[sriov]",
             f"vf_num = {self.sriov.vf_num}",
@@ -699,6 +712,7 @@ class HostConfig(BaseModel):
             f"policy = {_toml_str(s.policy)}",
             f"time_slice_ms = {s.time_slice_ms}",
             f"cmd_timeout_ms = {s.cmd_timeout_ms}",
+            f"coop_idle_timeout_ms = {s.coop_idle_timeout_ms}",
             f"job_timeout_s = {float(s.job_timeout_s)!r}",
             f"fullaccess_timeout_ms = {s.fullaccess_timeout_ms}",
             "",

@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gpuvirt.config import DEFAULT_KERNEL_SCRATCH
 from gpuvirt.device.base import (
     CommandTimeout,
     Device,
@@ -52,10 +53,12 @@ from gpuvirt.device.base import (
     EngineSpec,
     WSCommand,
 )
+from gpuvirt.device.budget import EngineMemory, context_cost, fb_room
 from gpuvirt.device.ctl import CTL_FAIL, CTL_WAKE
 from gpuvirt.device.faults import FAULT_ENV, StartFaults
 from gpuvirt.device.memfd import punch_hole
 from gpuvirt.device.process import ProcessEngine
+from gpuvirt.device.spare import SPARE, Spare
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.info import FEATURE_NETGPU, FEATURE_STAGING, RESERVED_SIZE
@@ -75,7 +78,7 @@ PACKAGE_HINT = "pip install cupy-cuda12x"
 
 # Run in a child interpreter: whatever CUDA does (or fails to do) stays there.
 _PROBE = r"""
-import json, sys
+import json, subprocess, sys
 out = {}
 try:
     import cupy
@@ -99,7 +102,32 @@ try:
     )
 except Exception as e:
     out.update(stage="device", error=f"{type(e).__name__}: {e}")
+    print(json.dumps(out))
+    sys.exit(0)
+# One engine's context, measured: free device memory with a warmed-up engine context
+# beside ours, opened exactly as engines open theirs.
+try:
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_CONTEXT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = engine.stdout.readline()
+    if line.strip() != "ready":
+        engine.wait()
+        raise RuntimeError(f"the engine context did not open (exit {engine.returncode})")
+    out["free_with_engine"] = int(rt.memGetInfo()[0])
+    engine.stdin.close()
+    engine.wait()
+except Exception as e:
+    out.update(stage="context", error=f"{type(e).__name__}: {e}")
 print(json.dumps(out))
+"""
+_PROBE_ENGINE = r"""
+import sys
+from gpuvirt.device.cuda_executor import CudaContext
+CudaContext.open()
+print("ready", flush=True)
+sys.stdin.read()
 """
 
 
@@ -114,6 +142,7 @@ class GpuInfo:
     cupy: str
     driver: int
     runtime: int
+    context: int  # one engine's CUDA context as budgeted (device/budget.py)
 
 
 def cupy_installed() -> bool:
@@ -134,7 +163,7 @@ def probe_gpu(timeout: float = PROBE_TIMEOUT_S) -> GpuInfo:
         )
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _PROBE],
+            [sys.executable, "-c", f"ENGINE_CONTEXT = {_PROBE_ENGINE!r}\n{_PROBE}"],
             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -152,15 +181,20 @@ def probe_gpu(timeout: float = PROBE_TIMEOUT_S) -> GpuInfo:
             f"CuPy is installed but does not import: {found['error']}; reinstall it with "
             f"`{INSTALL_HINT}` matching your CUDA version"
         )
-    if "error" in found:
+    if found.get("stage") == "device":
         raise DeviceError(
             f"no usable NVIDIA GPU: {found['error']}. CuPy {found.get('cupy', '?')} is "
             "installed; check that an NVIDIA GPU and its driver are present (nvidia-smi) and "
             "that CUDA_VISIBLE_DEVICES does not hide it"
         )
+    if found.get("stage") == "context":
+        raise DeviceError(
+            f"measuring one engine's CUDA context on {found['name']} failed: {found['error']}"
+        )
     return GpuInfo(
         name=found["name"], free=found["free"], total=found["total"], count=found["count"],
         cupy=found["cupy"], driver=found["driver"], runtime=found["runtime"],
+        context=context_cost(found["free"], found["free_with_engine"]),
     )  # fmt: skip
 
 
@@ -181,10 +215,17 @@ class CoopEngine(ProcessEngine):
     cooperative = True
 
     def __init__(
-        self, spec: EngineSpec, fb_fd: int, backend: str = "cuda", fault: bool = False
+        self,
+        spec: EngineSpec,
+        fb_fd: int | None,
+        backend: str = "cuda",
+        fault: bool = False,
+        scratch: int = 0,
     ) -> None:
+        """fb_fd None: a spare (device/spare.py); scratch: the cap on kernel temporaries."""
         self.failure: str | None = None  # what the engine said when it could not start
-        super().__init__(spec, fb_fd, backend, ["--switch", "coop"], fault)
+        extra = ["--switch", "coop", "--scratch", str(scratch)]
+        super().__init__(spec, fb_fd, backend, extra, fault)
         self._poll = select.epoll()
         self._poll.register(self._ctl.fileno(), select.EPOLLIN)
         self._poll.register(self._pidfd, select.EPOLLIN)
@@ -287,15 +328,24 @@ class CudaDevice(Device):
 
     backend = "cuda"
 
-    def __init__(self, probe_timeout: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(
+        self, kernel_scratch: int = DEFAULT_KERNEL_SCRATCH, probe_timeout: float = PROBE_TIMEOUT_S
+    ) -> None:
         self.gpu = probe_gpu(probe_timeout)
+        self.memory = EngineMemory(context=self.gpu.context, scratch=kernel_scratch)
         self._apertures: dict[int, tuple[int, int]] = {}  # vf -> (aperture fd, FB size)
         self._engines: dict[int, CoopEngine] = {}
         self._faults = StartFaults(os.environ.get(FAULT_ENV, ""))
+        self._spare: Spare[CoopEngine] = Spare(
+            lambda: CoopEngine(SPARE, None, "cuda", scratch=kernel_scratch)
+        )
 
-    def total_fb(self) -> int | None:
+    def total_fb(self, vf_num: int) -> int | None:
         # The config takes pf_fb off this itself (HostConfig.vf_layout).
-        return self.gpu.free
+        return fb_room(self.gpu.free, self.memory, vf_num)
+
+    def engine_memory(self) -> EngineMemory:
+        return self.memory
 
     def create_fb(self, vf: int, size: int) -> int:
         fd = os.memfd_create(f"gpuvirt-vf{vf}-aperture", os.MFD_CLOEXEC)
@@ -324,8 +374,15 @@ class CudaDevice(Device):
         return self._apertures[vf][1]
 
     def new_engine(self, spec: EngineSpec) -> Engine:
+        """The spare when one is ready (its interpreter, CuPy and warmed-up context are
+        there already: the FLR waits only for the FB's allocation and scrub), and a new
+        spare behind it."""
         fd = self._apertures[spec.vf][0]
-        engine = CoopEngine(spec, fd, "cuda", self._faults.should_fail(spec.vf))
+        fault = self._faults.should_fail(spec.vf)
+        engine = self._spare.take(spec, fd, fault)
+        if engine is None:
+            engine = CoopEngine(spec, fd, "cuda", fault, self.memory.scratch)
+        self._spare.refill()
         self._engines[spec.vf] = engine
         return engine
 
@@ -341,5 +398,6 @@ class CudaDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
+        self._spare.close()
         for vf in list(self._apertures):
             self.destroy_fb(vf)

@@ -21,13 +21,11 @@ from gpuvirt.device.base import (
     EngineSpec,
     Watchdog,
 )
-from gpuvirt.device.ctl import ADOPT, CTL_ADOPT
 from gpuvirt.device.faults import FAULT_ENV, StartFaults
 from gpuvirt.device.memfd import punch_hole
-from gpuvirt.device.process import ProcessEngine, send_fd
+from gpuvirt.device.process import ProcessEngine
+from gpuvirt.device.spare import SPARE, Spare
 from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU
-
-SPARE = EngineSpec(vf=-1, fb_size=0)  # a spare's spec until it adopts a VF
 
 
 class EmuEngine(ProcessEngine):
@@ -52,13 +50,6 @@ class EmuEngine(ProcessEngine):
 
     def _reaped_cleanup(self) -> None:
         self._watchdog.discard(self)
-
-    def adopt(self, spec: EngineSpec, fb_fd: int) -> None:
-        """Give a spare its VF; INIT_GPU then completes as for any fresh engine."""
-        self.spec = spec
-        with contextlib.suppress(OSError):  # its start was background work; this is not
-            os.setpriority(os.PRIO_PROCESS, self.pid, 0)
-        send_fd(self._ctl, CTL_ADOPT + ADOPT.pack(spec.vf, spec.fb_size), fb_fd)
 
     def _wait_stopped(self, timeout: float) -> None:
         """Block until the stop the last SIGSTOP asked for (or a fresh engine's own) lands.
@@ -117,9 +108,11 @@ class EmuDevice(Device):
         self._fbs: dict[int, tuple[int, int]] = {}  # vf -> (fd, size)
         self._faults = StartFaults(os.environ.get(FAULT_ENV, ""))
         self._watchdog = Watchdog(watchdog_tick)
-        self._spare: EmuEngine | None = None
+        self._spare: Spare[EmuEngine] = Spare(
+            lambda: EmuEngine(SPARE, None, False, self._watchdog, self.exec_cpus)
+        )
 
-    def total_fb(self) -> int | None:
+    def total_fb(self, vf_num: int) -> int | None:
         return None
 
     def create_fb(self, vf: int, size: int) -> int:
@@ -143,15 +136,10 @@ class EmuDevice(Device):
         waits for no interpreter start), and a new spare behind it."""
         fb_fd = self._fbs[spec.vf][0]
         fault = self._faults.should_fail(spec.vf)
-        spare, self._spare = self._spare, None
-        if spare is not None and not fault and spare.alive():
-            spare.adopt(spec, fb_fd)
-            engine = spare
-        else:
-            if spare is not None:
-                spare.kill()
+        engine = self._spare.take(spec, fb_fd, fault)
+        if engine is None:
             engine = EmuEngine(spec, fb_fd, fault, self._watchdog, self.exec_cpus)
-        self._spare = EmuEngine(SPARE, None, False, self._watchdog, self.exec_cpus)
+        self._spare.refill()
         return engine
 
     def guest_fds(self, vf: int) -> list[int]:
@@ -165,8 +153,7 @@ class EmuDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
-        if self._spare is not None:
-            self._spare.kill()
+        self._spare.close()
         self._watchdog.stop()
         for vf in list(self._fbs):
             self.destroy_fb(vf)

@@ -342,6 +342,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ctl-fd", type=int, required=True)
     p.add_argument("--idle-fd", type=int, required=True)
     p.add_argument("--fault-exit", action="store_true", help="test fault: die during start")
+    p.add_argument(
+        "--scratch", type=int, default=0,
+        help="cuda: the cap on kernel temporaries (CuPy's pool), outside the FB",
+    )  # fmt: skip
     p.add_argument("--host-pid", type=int, required=True)
     a = p.parse_args(argv)
     _die_with_host(a.host_pid)
@@ -359,17 +363,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     status = StatusArea(a.status_fd)
     ctl = socket.socket(fileno=a.ctl_fd)
-    if a.fb_fd < 0 and not _adopt(ctl, a):
+    executor = _executor(ctl, a)
+    if executor is None:
         return
-    executor: Executor
-    if a.backend == "emu":
-        from gpuvirt.device.emu_executor import EmuExecutor
-
-        executor = EmuExecutor(a.fb_fd, a.fb_size)
-    else:
-        from gpuvirt.device.cuda_executor import CudaExecutor
-
-        executor = CudaExecutor(a.fb_fd, a.fb_size, a.vf)
     status[Word.PID] = os.getpid()
     status[Word.MAGIC] = MAGIC
     status[Word.READY] = 1
@@ -389,21 +385,31 @@ def _adopt(ctl: socket.socket, a: argparse.Namespace) -> bool:
     return True
 
 
+def _executor(ctl: socket.socket, a: argparse.Namespace) -> Executor | None:
+    """The backend's executor on the VF's FB; a spare first waits to adopt one (None:
+    the host let it go). On cuda the context and its warm-up come before the wait, so
+    that a spare has done them ahead of need."""
+    if a.backend == "emu":
+        from gpuvirt.device.emu_executor import EmuExecutor
+
+        if a.fb_fd < 0 and not _adopt(ctl, a):
+            return None
+        return EmuExecutor(a.fb_fd, a.fb_size)
+    from gpuvirt.device.cuda_executor import CudaContext, CudaExecutor
+
+    context = CudaContext.open()
+    if a.fb_fd < 0 and not _adopt(ctl, a):
+        return None
+    return CudaExecutor(context, a.fb_fd, a.fb_size, a.vf, a.scratch)
+
+
 def _main_coop(a: argparse.Namespace) -> None:
     status = StatusArea(a.status_fd)
     ctl = socket.socket(fileno=a.ctl_fd)
     status[Word.PID] = os.getpid()
     status[Word.MAGIC] = MAGIC
-    executor: Executor
     try:
-        if a.backend == "emu":
-            from gpuvirt.device.emu_executor import EmuExecutor
-
-            executor = EmuExecutor(a.fb_fd, a.fb_size)
-        else:
-            from gpuvirt.device.cuda_executor import CudaExecutor
-
-            executor = CudaExecutor(a.fb_fd, a.fb_size, a.vf)
+        executor = _executor(ctl, a)
     except Exception as e:
         # Say why on the control socket: the host turns it into the engine-start error
         # an operator reads, instead of a bare "engine exited".
@@ -412,6 +418,8 @@ def _main_coop(a: argparse.Namespace) -> None:
             ctl.send(CTL_FAIL + why)
         traceback.print_exc()
         sys.exit(4)
+    if executor is None:
+        return
     status[Word.READY] = 1
     loop = CoopEngineLoop(executor, status, ctl, a.idle_fd)
     loop.follow()  # acknowledges the INIT_GPU the host left in the status area
