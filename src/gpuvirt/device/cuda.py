@@ -109,12 +109,12 @@ except Exception as e:
 try:
     engine = subprocess.Popen(
         [sys.executable, "-c", ENGINE_CONTEXT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True,
+        stderr=subprocess.PIPE, text=True,
     )
     line = engine.stdout.readline()
     if line.strip() != "ready":
-        engine.wait()
-        raise RuntimeError(f"the engine context did not open (exit {engine.returncode})")
+        err = engine.communicate()[1].strip()[-1500:]
+        raise RuntimeError(f"the engine context did not open (exit {engine.returncode}): {err}")
     out["free_with_engine"] = int(rt.memGetInfo()[0])
     engine.stdin.close()
     engine.wait()
@@ -175,7 +175,11 @@ def probe_gpu(timeout: float = PROBE_TIMEOUT_S) -> GpuInfo:
     if not lines:
         tail = (proc.stderr or proc.stdout).strip()[-1500:]
         raise DeviceError(f"the CUDA probe failed (exit {proc.returncode}):\n{tail}")
-    found: dict[str, Any] = json.loads(lines[-1])
+    return gpu_info(json.loads(lines[-1]))
+
+
+def gpu_info(found: dict[str, Any]) -> GpuInfo:
+    """What the probe printed, as GpuInfo; DeviceError for the stage that failed."""
     if found.get("stage") == "import":
         raise DeviceError(
             f"CuPy is installed but does not import: {found['error']}; reinstall it with "
