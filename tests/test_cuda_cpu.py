@@ -433,3 +433,97 @@ def test_cuda_staging_provider_lands_a_stream_and_tracks_completion(emu_gpu: Any
 def test_aperture_layout() -> None:
     assert APERTURE_SIZE == RESERVED_SIZE + STAGING_SIZE
     assert RESERVED_SIZE % 4096 == 0 and STAGING_SIZE % (2 << 20) == 0
+
+
+# ---- NetGPU's cuda-staging provider: registered, and wired into pools -----------------
+
+
+def test_cuda_staging_is_registered_and_says_why_not_on_emu(emu_gpu: Any) -> None:
+    from gpuvirt.netgpu.errors import NetGPUError
+    from gpuvirt.netgpu.providers import ORDER, PROVIDERS, CudaStagingProvider
+
+    assert PROVIDERS["cuda-staging"] is CudaStagingProvider
+    assert ORDER.index("cuda-staging") < ORDER.index("userspace")
+    sel = emu_gpu.netgpu.selection()
+    assert sel.provider.name == "userspace"
+    assert "CuPy" in sel.skipped["cuda-staging"]
+    with pytest.raises(NetGPUError, match=r"'cuda-staging' cannot serve VF0: .*CuPy"):
+        emu_gpu.netgpu.selection("cuda-staging")
+
+
+@pytest.fixture
+def staged_pool(emu_gpu: Any) -> Any:
+    """A pool on the cuda path for real: the guest's FB is staged (copies by the engine),
+    and the pool is served by cuda-staging; the emu FB's mapping shows what landed."""
+    from gpuvirt.netgpu.pool import Pool
+    from gpuvirt.netgpu.providers import CudaStagingProvider
+
+    mapped, emu_gpu._fb = emu_gpu._fb, _staged(emu_gpu, 4096)
+    pool = Pool(emu_gpu.netgpu, 16 * 16384, 16384, CudaStagingProvider())
+    try:
+        yield pool, mapped
+    finally:
+        pool.close()
+        emu_gpu._fb.close()
+        emu_gpu._fb = mapped
+
+
+def _send(data: bytes) -> tuple[socket.socket, Any]:
+    import threading
+
+    rx, tx = socket.socketpair()
+    sender = threading.Thread(target=lambda: (tx.sendall(data), tx.close()))
+    sender.start()
+    return rx, sender
+
+
+@pytest.mark.parametrize("framed", [False, True, None])
+def test_staged_pool_lands_streams_in_device_memory(staged_pool: Any, framed: Any) -> None:
+    import zlib
+
+    from gpuvirt.netgpu.errors import NetGPUError
+    from gpuvirt.protocol.frames import FLAG_CRC, Header
+
+    pool, mapped = staged_pool
+    assert pool.memory is None  # nothing of the pool is mapped: reads go through staging
+    payloads = [np.random.default_rng(i).bytes(n) for i, n in enumerate((70_000, 1, 20_000))]
+    if framed is False:
+        wire = b"".join(payloads)
+    else:
+        wire = b"".join(
+            Header(1, i, len(p), FLAG_CRC, zlib.crc32(p)).encode() + p
+            for i, p in enumerate(payloads)
+        )
+    sock, sender = _send(wire)
+    got: list[bytes] = []
+    try:
+        for frag in pool.receive(sock, framed=framed, crc=None if framed is False else True):
+            # handed out only once in device memory: the FB itself already holds it
+            landed = bytes(mapped.view(frag.offset, frag.size))
+            assert frag.buffer().read().tobytes() == landed
+            with pytest.raises(NetGPUError, match="cannot map"):
+                frag.array()
+            got.append(landed)
+            pool.release([frag.token])
+    finally:
+        sender.join(10)
+    assert b"".join(got) == b"".join(payloads)
+
+
+def test_staged_pool_catches_a_corrupted_message(staged_pool: Any) -> None:
+    import zlib
+
+    from gpuvirt.netgpu.errors import RxError
+    from gpuvirt.protocol.frames import FLAG_CRC, Header
+
+    pool, _ = staged_pool
+    payload = bytes(range(256)) * 100
+    sock, sender = _send(
+        Header(1, 0, len(payload), FLAG_CRC, zlib.crc32(payload) ^ 1).encode() + payload
+    )
+    try:
+        with pytest.raises(RxError, match="corrupted in transit"):
+            for frag in pool.receive(sock, framed=True):
+                pool.release([frag.token])
+    finally:
+        sender.join(10)
