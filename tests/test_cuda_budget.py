@@ -277,3 +277,26 @@ def test_spare_is_not_given_when_a_fault_wants_a_fresh_start_or_it_died() -> Non
     finally:
         spare.close()
         os.close(fb)
+
+
+# ---- shown in `vf list` -----------------------------------------------------------------
+
+
+def test_vf_list_shows_what_each_engine_takes_outside_its_fb() -> None:
+    from rich.console import Console
+
+    from gpuvirt.bench.common import scratch_host
+    from gpuvirt.cli.vf import vf_table
+
+    with scratch_host(sriov={"vf_num": 1}) as hp:
+        row = hp.admin.vf(0)
+    assert (row["context_bytes"], row["scratch_bytes"]) == (0, 0)  # emu: no CUDA context
+
+    def render(v: dict[str, Any]) -> str:
+        console = Console(width=200, record=True)
+        console.print(vf_table([v]))
+        return console.export_text()
+
+    assert "ctx" in render(row)
+    cuda_row = {**row, "context_bytes": 500 * MiB, "scratch_bytes": DEFAULT_KERNEL_SCRATCH}
+    assert "500 MiB" in render(cuda_row)
