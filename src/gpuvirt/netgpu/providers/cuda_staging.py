@@ -159,6 +159,7 @@ class CudaStagingProvider(Provider):
     def detach(self) -> None:
         up, self._up = self._up, None
         self._copies.clear()
+        self.last = None  # a view of the staging mapping: it would keep the mapping open
         if up is not None:
             up.close()
 
