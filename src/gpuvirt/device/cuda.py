@@ -20,8 +20,9 @@ control socket, the guest's command channel. What differs, and why:
   the way emu stops one: SIGSTOP would freeze the CPU side while the kernel
   runs on. So IDLE/RUN are commands the engine acknowledges between kernels
   (device/engine.py, CoopEngineLoop); an engine that does not acknowledge
-  within cmd_timeout is hung. FLR kills the process, and the driver tears
-  down its context, its allocation and any kernel still running.
+  within its limit (for IDLE: scheduler.coop_idle_timeout_ms) is hung. FLR
+  kills the process, and the driver tears down its context, its allocation
+  and any kernel still running.
 - **Scrub at engine start.** The FB lives in the engine, so a fresh engine
   zeroes its whole allocation before it acknowledges INIT_GPU; the host only
   scrubs the aperture (punching a hole, as emu does). The host always kills
@@ -267,7 +268,7 @@ class CoopEngine(ProcessEngine):
         self._drain_ctl()
         if self.status[Word.ACK_SERIAL] < self._serial:
             # Still inside whatever kept it from acknowledging the last command. Waiting
-            # another cmd_timeout would only delay the FLR that is coming.
+            # another limit would only delay the FLR that is coming.
             raise CommandTimeout(
                 f"VF{self.spec.vf}: engine pid {self.pid} has still not acknowledged "
                 f"{self._pending.name}; it is stuck in a kernel"

@@ -10,7 +10,7 @@ descriptors inherited. Two ways to world-switch, chosen by `--switch`:
 - `coop` (cuda, where a process cannot be stopped mid-kernel): the host
   writes CMD_CODE and CMD_SERIAL in the status area and wakes the engine on
   the control socket (CTL_WAKE); between kernels the engine follows the
-  command (IDLE: drain the stream, stop taking guest work; RUN: take it
+  command (IDLE: drain the device, stop taking guest work; RUN: take it
   again), stores ACK_SERIAL and answers CTL_ACK on the control socket. A
   fresh engine finds INIT_GPU with serial 1 already there and acknowledges it
   once its executor is up (on cuda: context, FB allocated and zeroed). An
