@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import DefragResult
 
@@ -252,13 +253,25 @@ def test_probe_measures_one_engine_context(gpu_info: GpuInfo) -> None:
     assert 0 < gpu_info.context < gpu_info.total // 4
 
 
-def test_default_layout_starts_every_vf_with_contexts_budgeted(gpu_info: GpuInfo) -> None:
-    cfg = {**CUDA_HOST, "device": {"backend": "cuda"}, "sriov": {"vf_num": 4}}
-    with scratch_host(**cfg) as hp:
+def test_default_layout_starts_every_vf_with_contexts_budgeted(
+    gpu_info: GpuInfo, tmp_path: Path
+) -> None:
+    from gpuvirt.config import HostConfig, load_or_create_token
+    from gpuvirt.host.process import HostProcess
+
+    # fb_total unset (scratch_host sets one): the VFs share the device less the budget
+    cfg = HostConfig.from_dict({
+        "host": {"socket": str(tmp_path / "host.sock"), "admin": str(tmp_path / "admin.sock"),
+                 "state_dir": str(tmp_path / "state")},
+        "device": {"backend": "cuda"}, "sriov": {"vf_num": 4},
+    })  # fmt: skip
+    with HostProcess(cfg, tmp_path / "run") as hp:
         vfs = hp.admin.status()["vfs"]
         assert [v["state"] for v in vfs] == ["AVAIL"] * 4  # none FAILED: every FB fitted
         assert all(v["context_bytes"] == gpu_info.context for v in vfs)
-        with gpuvirt.attach(vf=3, socket=hp.socket, token=hp.token(3)) as g:
+        # hp.token() sizes the layout, which on cuda without fb_total needs the device
+        token = load_or_create_token(tmp_path / "state" / "vf3.token").hex()
+        with gpuvirt.attach(vf=3, socket=hp.socket, token=token) as g:
             a = g.alloc(1 << 20, np.float32)
             a.write(np.ones(1 << 20, np.float32))
             assert g.launch(_scale, a, 2.0).result(timeout=60) == "cupy"
