@@ -36,7 +36,7 @@ from gpuvirt.device.cuda import (
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError, GpuvirtError, StateError
 from gpuvirt.guest.queue import CommandQueue, kernel
-from gpuvirt.protocol.command import BufDesc, Copy, Kind
+from gpuvirt.protocol.command import BufDesc
 from gpuvirt.protocol.info import PF2VF_OFFSET, RESERVED_SIZE
 
 # Kernels defined here run in engine processes that cannot import this module.
@@ -61,7 +61,7 @@ def test_emu_is_selected_by_name() -> None:
 @needs_no_cupy
 def test_cuda_without_cupy_says_what_to_install() -> None:
     with pytest.raises(DeviceError) as err:
-        make_device("cuda")
+        make_device("cuda", 256 << 20)
     msg = str(err.value)
     assert "CuPy" in msg and INSTALL_HINT in msg and "emu" in msg
 
@@ -73,7 +73,7 @@ def test_cuda_with_cupy_hidden_says_what_to_install() -> None:
         "from gpuvirt.device import make_device\n"
         "from gpuvirt.errors import DeviceError\n"
         "try:\n"
-        "    make_device('cuda')\n"
+        "    make_device('cuda', 256 << 20)\n"
         "except DeviceError as e:\n"
         "    print(e)\n"
     )
@@ -91,7 +91,7 @@ def test_cuda_with_broken_cupy_says_it_does_not_import(tmp_path: Path) -> None:
         "from gpuvirt.device import make_device\n"
         "from gpuvirt.errors import DeviceError\n"
         "try:\n"
-        "    make_device('cuda')\n"
+        "    make_device('cuda', 256 << 20)\n"
         "except DeviceError as e:\n"
         "    print(e)\n"
     )
@@ -302,16 +302,6 @@ def test_switch_latency_is_a_socket_round_trip(rig: Rig) -> None:
 # ---- the staged FB path against a real emu host ------------------------------------
 
 
-def _emu_staging_or_skip(gpu: Any) -> None:
-    """Skip unless this emu engine carries out staging copies (EmuExecutor.copy_in)."""
-    try:
-        gpu._queue.copy(Kind.COPY_OUT, Copy(RESERVED_SIZE, 0, 16)).result(timeout=10)
-    except GpuvirtError as e:
-        if "no staging copies" in str(e):
-            pytest.skip("EmuExecutor.copy_in/copy_out do not copy yet (docs/cuda.md, emu hook)")
-        raise
-
-
 @pytest.fixture(scope="module")
 def emu_gpu() -> Any:
     import gpuvirt
@@ -321,7 +311,6 @@ def emu_gpu() -> Any:
         scratch_host(sriov={"vf_num": 1}) as hp,
         gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu,
     ):
-        _emu_staging_or_skip(gpu)
         yield gpu
 
 
@@ -444,3 +433,97 @@ def test_cuda_staging_provider_lands_a_stream_and_tracks_completion(emu_gpu: Any
 def test_aperture_layout() -> None:
     assert APERTURE_SIZE == RESERVED_SIZE + STAGING_SIZE
     assert RESERVED_SIZE % 4096 == 0 and STAGING_SIZE % (2 << 20) == 0
+
+
+# ---- NetGPU's cuda-staging provider: registered, and wired into pools -----------------
+
+
+def test_cuda_staging_is_registered_and_says_why_not_on_emu(emu_gpu: Any) -> None:
+    from gpuvirt.netgpu.errors import NetGPUError
+    from gpuvirt.netgpu.providers import ORDER, PROVIDERS, CudaStagingProvider
+
+    assert PROVIDERS["cuda-staging"] is CudaStagingProvider
+    assert ORDER.index("cuda-staging") < ORDER.index("userspace")
+    sel = emu_gpu.netgpu.selection()
+    assert sel.provider.name == "userspace"
+    assert "CuPy" in sel.skipped["cuda-staging"]
+    with pytest.raises(NetGPUError, match=r"'cuda-staging' cannot serve VF0: .*CuPy"):
+        emu_gpu.netgpu.selection("cuda-staging")
+
+
+@pytest.fixture
+def staged_pool(emu_gpu: Any) -> Any:
+    """A pool on the cuda path for real: the guest's FB is staged (copies by the engine),
+    and the pool is served by cuda-staging; the emu FB's mapping shows what landed."""
+    from gpuvirt.netgpu.pool import Pool
+    from gpuvirt.netgpu.providers import CudaStagingProvider
+
+    mapped, emu_gpu._fb = emu_gpu._fb, _staged(emu_gpu, 4096)
+    pool = Pool(emu_gpu.netgpu, 16 * 16384, 16384, CudaStagingProvider())
+    try:
+        yield pool, mapped
+    finally:
+        pool.close()
+        emu_gpu._fb.close()
+        emu_gpu._fb = mapped
+
+
+def _send(data: bytes) -> tuple[socket.socket, Any]:
+    import threading
+
+    rx, tx = socket.socketpair()
+    sender = threading.Thread(target=lambda: (tx.sendall(data), tx.close()))
+    sender.start()
+    return rx, sender
+
+
+@pytest.mark.parametrize("framed", [False, True, None])
+def test_staged_pool_lands_streams_in_device_memory(staged_pool: Any, framed: Any) -> None:
+    import zlib
+
+    from gpuvirt.netgpu.errors import NetGPUError
+    from gpuvirt.protocol.frames import FLAG_CRC, Header
+
+    pool, mapped = staged_pool
+    assert pool.memory is None  # nothing of the pool is mapped: reads go through staging
+    payloads = [np.random.default_rng(i).bytes(n) for i, n in enumerate((70_000, 1, 20_000))]
+    if framed is False:
+        wire = b"".join(payloads)
+    else:
+        wire = b"".join(
+            Header(1, i, len(p), FLAG_CRC, zlib.crc32(p)).encode() + p
+            for i, p in enumerate(payloads)
+        )
+    sock, sender = _send(wire)
+    got: list[bytes] = []
+    try:
+        for frag in pool.receive(sock, framed=framed, crc=None if framed is False else True):
+            # handed out only once in device memory: the FB itself already holds it
+            landed = bytes(mapped.view(frag.offset, frag.size))
+            assert frag.buffer().read().tobytes() == landed
+            with pytest.raises(NetGPUError, match="cannot map"):
+                frag.array()
+            got.append(landed)
+            pool.release([frag.token])
+    finally:
+        sender.join(10)
+    assert b"".join(got) == b"".join(payloads)
+
+
+def test_staged_pool_catches_a_corrupted_message(staged_pool: Any) -> None:
+    import zlib
+
+    from gpuvirt.netgpu.errors import RxError
+    from gpuvirt.protocol.frames import FLAG_CRC, Header
+
+    pool, _ = staged_pool
+    payload = bytes(range(256)) * 100
+    sock, sender = _send(
+        Header(1, 0, len(payload), FLAG_CRC, zlib.crc32(payload) ^ 1).encode() + payload
+    )
+    try:
+        with pytest.raises(RxError, match="corrupted in transit"):
+            for frag in pool.receive(sock, framed=True):
+                pool.release([frag.token])
+    finally:
+        sender.join(10)

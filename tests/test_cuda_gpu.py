@@ -13,7 +13,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import DefragResult
 
 import cloudpickle
 import numpy as np
@@ -230,3 +232,66 @@ def test_fb_total_beyond_the_device_is_refused(gpu_info: GpuInfo) -> None:
     cfg = {**CUDA_HOST, "device": {"backend": "cuda", "fb_total": too_big, "pf_fb": "64MiB"}}
     with pytest.raises(GpuvirtError, match="free"), scratch_host(**cfg):
         pass
+
+
+# ---- #16: the context budget, namedtuple results, a kernel on its own stream, NetGPU ----
+
+
+def _stats(xp: Any, a: Any) -> DefragResult:
+    # A namedtuple both sides import (pickle sends its class by reference): any such
+    # result must come back with its type and its device arrays as numpy arrays.
+    return DefragResult(xp.sum(a), a[:2])
+
+
+def _spin_on_own_stream(xp: Any, flag: Any) -> None:
+    # A stream of the tenant's own: the engine's device synchronize must wait for it too.
+    with xp.cuda.Stream(non_blocking=True):
+        xp.RawKernel(SPIN_FOREVER, "spin_forever")((1,), (1,), (flag,))
+
+
+def test_probe_measures_one_engine_context(gpu_info: GpuInfo) -> None:
+    assert 0 < gpu_info.context < gpu_info.total // 4
+
+
+def test_default_layout_starts_every_vf_with_contexts_budgeted(
+    gpu_info: GpuInfo, tmp_path: Path
+) -> None:
+    from gpuvirt.config import config_from_dict, load_or_create_token
+    from gpuvirt.host.process import HostProcess
+
+    # fb_total unset (scratch_host sets one): the VFs share the device less the budget
+    cfg = config_from_dict({
+        "host": {"socket": str(tmp_path / "host.sock"), "admin": str(tmp_path / "admin.sock"),
+                 "state_dir": str(tmp_path / "state")},
+        "device": {"backend": "cuda"}, "sriov": {"vf_num": 4},
+    })  # fmt: skip
+    with HostProcess(cfg, tmp_path / "run") as hp:
+        vfs = hp.admin.status()["vfs"]
+        assert [v["state"] for v in vfs] == ["AVAIL"] * 4  # none FAILED: every FB fitted
+        assert all(v["context_bytes"] == gpu_info.context for v in vfs)
+        # hp.token() sizes the layout, which on cuda without fb_total needs the device
+        token = load_or_create_token(tmp_path / "state" / "vf3.token").hex()
+        with gpuvirt.attach(vf=3, socket=hp.socket, token=token) as g:
+            a = g.alloc(1 << 20, np.float32)
+            a.write(np.ones(1 << 20, np.float32))
+            assert g.launch(_scale, a, 2.0).result(timeout=60) == "cupy"
+
+
+def test_namedtuple_results_come_back_as_numpy(gpu: Any) -> None:
+    a = gpu.alloc(8, np.float32)
+    a.write(np.arange(8, dtype=np.float32))
+    out = gpu.launch(_stats, a).result(timeout=60)
+    assert type(out) is DefragResult and isinstance(out.fragment, np.ndarray)
+    assert float(out.url) == 28.0 and out.fragment.tolist() == [0.0, 1.0]
+
+
+def test_a_kernel_spinning_on_its_own_stream_is_a_hang(gpu_info: GpuInfo) -> None:
+    with (
+        scratch_host(**CUDA_HOST) as hp,
+        gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as g,
+    ):
+        flag = g.alloc(1, np.int32)
+        fut = g.launch(_spin_on_own_stream, flag)
+        with pytest.raises((VFResetError, GpuvirtError)):
+            fut.result(timeout=120)
+        assert hp.admin.vf(0)["flr_count"] >= 1

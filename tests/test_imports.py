@@ -91,3 +91,10 @@ def test_a_tenant_process_does_not_load_pydantic() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_the_engine_loop_imports_no_backend() -> None:
+    """The engine process loads only its executor, never the host-side backend modules."""
+    graph = grimp.build_graph("gpuvirt", exclude_type_checking_imports=True)
+    imported = graph.find_upstream_modules("gpuvirt.device.engine")
+    assert not imported & {"gpuvirt.device.emu", "gpuvirt.device.cuda"}

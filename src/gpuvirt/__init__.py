@@ -35,6 +35,7 @@ __all__ = [
 def __getattr__(name: str):
     # The guest library pulls in numpy and cloudpickle; the host CLI should not pay for them.
     if name in ("attach", "kernel"):
+        import gpuvirt.netgpu  # noqa: F401  (registers gpu.netgpu with the guest library)
         from gpuvirt.guest import client
 
         return getattr(client, name)

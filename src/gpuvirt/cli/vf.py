@@ -22,7 +22,7 @@ Index = Annotated[int, typer.Argument(help="VF index", min=0, max=30)]
 def vf_table(vfs: list[dict[str, Any]], title: str | None = None) -> Table:
     t = Table(title=title, header_style="bold")
     for col in ("VF", "state", "guest", "weight", "share cfg", "share now", "FB used", "FB",
-                "launches", "FLRs", "guard"):  # fmt: skip
+                "ctx", "launches", "FLRs", "guard"):  # fmt: skip
         t.add_column(col, justify="right" if col not in ("state", "guard") else "left")
     for v in vfs:
         g = v["guard"]
@@ -35,6 +35,8 @@ def vf_table(vfs: list[dict[str, Any]], title: str | None = None) -> Table:
             f"{100 * v['achieved_share']:.1f}%",
             format_size(v["fb_used"]) if v["fb_used"] else "0",
             format_size(v["fb_total"]),
+            # The engine's CUDA context, outside the FB (cuda); JSON also has scratch_bytes.
+            format_size(v["context_bytes"]) if v["context_bytes"] else "-",
             str(v["launches_completed"]),
             str(v["flr_count"]),
             "TRIPPED" if g["tripped"] else f"{g['recent_flrs']}/{g['limit']}",

@@ -69,7 +69,8 @@ class HostConfig(BaseModel):
             if device_total is not None and configured > device_total:
                 raise ConfigError(
                     f"device.fb_total = {format_size(configured)}: the device has only "
-                    f"{format_size(device_total)} free; lower device.fb_total"
+                    f"{format_size(device_total)} free for FBs (after the engines' CUDA "
+                    "contexts and kernel scratch); lower device.fb_total"
                 )
             return configured
         if self.device.backend == "emu":
@@ -115,7 +116,9 @@ class HostConfig(BaseModel):
             return ""
         if self.device.backend == "emu":
             return ", the emu default"
-        return ", the device's free memory" if device_total is not None else ""
+        if device_total is None:
+            return ""
+        return ", the device's free memory less what the engines take outside their FBs"
 
     def _fb_plan(self, fb_total: int | None, note: str) -> tuple[dict[int, int], list[str]]:
         """FB bytes per VF index, and the problems that stop the layout (if any)."""
@@ -204,6 +207,7 @@ class HostConfig(BaseModel):
             if total is not None
             else "# fb_total: not set; the device's free memory at start",
             f"pf_fb = {toml_str(format_size(d.pf_fb))}",
+            f"kernel_scratch = {toml_str(format_size(d.kernel_scratch))}",
             "",
             "[sriov]",
             f"vf_num = {self.sriov.vf_num}",
@@ -212,6 +216,7 @@ class HostConfig(BaseModel):
             f"policy = {toml_str(s.policy)}",
             f"time_slice_ms = {s.time_slice_ms}",
             f"cmd_timeout_ms = {s.cmd_timeout_ms}",
+            f"coop_idle_timeout_ms = {s.coop_idle_timeout_ms}",
             f"job_timeout_s = {float(s.job_timeout_s)!r}",
             f"fullaccess_timeout_ms = {s.fullaccess_timeout_ms}",
             "",

@@ -16,9 +16,11 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
 from gpuvirt.config.defaults import (
     DEFAULT_CMD_TIMEOUT_MS,
+    DEFAULT_COOP_IDLE_TIMEOUT_MS,
     DEFAULT_FULLACCESS_TIMEOUT_MS,
     DEFAULT_GUARD_FLR,
     DEFAULT_JOB_TIMEOUT_S,
+    DEFAULT_KERNEL_SCRATCH,
     DEFAULT_PF_FB,
     DEFAULT_POLICY,
     DEFAULT_READY_TO_RESET_WAIT_MS,
@@ -190,6 +192,8 @@ class DeviceSection(BaseModel):
     # None: 2 GiB on emu; on cuda the device's free memory (see HostConfig.effective_fb_total).
     fb_total: NonZeroSize | None = None
     pf_fb: Size = DEFAULT_PF_FB
+    # cuda: each engine's cap on its kernels' temporaries, outside its FB (budgeted).
+    kernel_scratch: Size = DEFAULT_KERNEL_SCRATCH
 
 
 class SriovSection(BaseModel):
@@ -208,6 +212,9 @@ class SchedulerSection(BaseModel):
     policy: Policy = DEFAULT_POLICY
     time_slice_ms: Annotated[int, _in_range(1, MAX_TIME_SLICE_MS)] = DEFAULT_TIME_SLICE_MS
     cmd_timeout_ms: Annotated[int, _in_range(1)] = DEFAULT_CMD_TIMEOUT_MS
+    # Cooperative engines (cuda) acknowledge IDLE at a kernel boundary: this is how long
+    # past its slice a kernel may run before it counts as a hang.
+    coop_idle_timeout_ms: Annotated[int, _in_range(1)] = DEFAULT_COOP_IDLE_TIMEOUT_MS
     job_timeout_s: Annotated[float, _in_range(0, above=True)] = DEFAULT_JOB_TIMEOUT_S
     fullaccess_timeout_ms: Annotated[int, _in_range(1)] = DEFAULT_FULLACCESS_TIMEOUT_MS
 

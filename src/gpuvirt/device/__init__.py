@@ -6,7 +6,12 @@ from gpuvirt.device.base import Device
 from gpuvirt.errors import ConfigError
 
 
-def make_device(backend: str) -> Device:
+def make_device(backend: str, kernel_scratch: int | None = None) -> Device:
+    """The backend's device; kernel_scratch: each cuda engine's cap on kernel temporaries.
+
+    The host passes ``device.kernel_scratch`` from its config (the default lives
+    there; this layer does not import the config, which would load pydantic).
+    """
     if backend == "emu":
         from gpuvirt.device.emu import EmuDevice
 
@@ -14,5 +19,7 @@ def make_device(backend: str) -> Device:
     if backend == "cuda":
         from gpuvirt.device.cuda import CudaDevice
 
-        return CudaDevice()
+        if kernel_scratch is None:
+            raise ConfigError("the cuda backend needs device.kernel_scratch")
+        return CudaDevice(kernel_scratch=kernel_scratch)
     raise ConfigError(f"device.backend = {backend!r}: unknown backend (emu | cuda)")

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from enum import IntEnum
 
+from gpuvirt.device.budget import EngineMemory
 from gpuvirt.device.status import StatusArea
 from gpuvirt.errors import DeviceError, StateError
 
@@ -53,6 +54,20 @@ _STEP: dict[WSCommand, str] = {
     WSCommand.LOAD_GPU_STATE: "_do_load",
     WSCommand.SHUTDOWN_GPU: "_do_shutdown",
 }
+
+
+def command_limit(
+    cmd: WSCommand, cooperative: bool, cmd_timeout: float, coop_idle_timeout: float
+) -> float:
+    """How long a world-switch command may take before the VF counts as hung.
+
+    A cooperative engine (cuda) acknowledges IDLE only at a kernel boundary, so its IDLE
+    waits for the running kernel: that wait has its own limit, how far past its slice
+    a kernel may run. Everything else is cmd_timeout.
+    """
+    if cooperative and cmd == WSCommand.IDLE_GPU:
+        return coop_idle_timeout
+    return cmd_timeout
 
 
 class CommandTimeout(DeviceError):
@@ -196,8 +211,13 @@ class Device(abc.ABC):
     exec_cpus: set[int] | None = None
 
     @abc.abstractmethod
-    def total_fb(self) -> int | None:
-        """Device memory available to VFs, or None where the config decides (emu)."""
+    def total_fb(self, vf_num: int) -> int | None:
+        """Device memory for the PF reserve and the FBs of `vf_num` VFs, after what their
+        engines take outside the FBs; None where the config decides (emu)."""
+
+    def engine_memory(self) -> EngineMemory:
+        """Device memory each engine takes outside its FB (budgeted in total_fb)."""
+        return EngineMemory()
 
     @abc.abstractmethod
     def create_fb(self, vf: int, size: int) -> int:

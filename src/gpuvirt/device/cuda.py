@@ -20,8 +20,9 @@ control socket, the guest's command channel. What differs, and why:
   the way emu stops one: SIGSTOP would freeze the CPU side while the kernel
   runs on. So IDLE/RUN are commands the engine acknowledges between kernels
   (device/engine.py, CoopEngineLoop); an engine that does not acknowledge
-  within cmd_timeout is hung. FLR kills the process, and the driver tears
-  down its context, its allocation and any kernel still running.
+  within its limit (for IDLE: scheduler.coop_idle_timeout_ms) is hung. FLR
+  kills the process, and the driver tears down its context, its allocation
+  and any kernel still running.
 - **Scrub at engine start.** The FB lives in the engine, so a fresh engine
   zeroes its whole allocation before it acknowledges INIT_GPU; the host only
   scrubs the aperture (punching a hole, as emu does). The host always kills
@@ -36,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import mmap
 import os
 import select
 import subprocess
@@ -44,8 +44,6 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from gpuvirt.device.base import (
     CommandTimeout,
@@ -55,12 +53,14 @@ from gpuvirt.device.base import (
     EngineSpec,
     WSCommand,
 )
-from gpuvirt.device.emu import FAULT_ENV, _Faults, punch_hole
-from gpuvirt.device.engine import CTL_FAIL, CTL_WAKE
+from gpuvirt.device.budget import EngineMemory, context_cost, fb_room
+from gpuvirt.device.ctl import CTL_FAIL, CTL_WAKE
+from gpuvirt.device.faults import FAULT_ENV, StartFaults
+from gpuvirt.device.memfd import punch_hole
 from gpuvirt.device.process import ProcessEngine
+from gpuvirt.device.spare import SPARE, Spare
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
-from gpuvirt.protocol.command import BufDesc, Copy
 from gpuvirt.protocol.info import FEATURE_NETGPU, FEATURE_STAGING, RESERVED_SIZE
 
 # The staging area per VF, after the reserved head of the aperture. Pinned by the
@@ -78,7 +78,7 @@ PACKAGE_HINT = "pip install cupy-cuda12x"
 
 # Run in a child interpreter: whatever CUDA does (or fails to do) stays there.
 _PROBE = r"""
-import json, sys
+import json, subprocess, sys
 out = {}
 try:
     import cupy
@@ -102,7 +102,32 @@ try:
     )
 except Exception as e:
     out.update(stage="device", error=f"{type(e).__name__}: {e}")
+    print(json.dumps(out))
+    sys.exit(0)
+# One engine's context, measured: free device memory with a warmed-up engine context
+# beside ours, opened exactly as engines open theirs.
+try:
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_CONTEXT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )
+    line = engine.stdout.readline()
+    if line.strip() != "ready":
+        err = engine.communicate()[1].strip()[-1500:]
+        raise RuntimeError(f"the engine context did not open (exit {engine.returncode}): {err}")
+    out["free_with_engine"] = int(rt.memGetInfo()[0])
+    engine.stdin.close()
+    engine.wait()
+except Exception as e:
+    out.update(stage="context", error=f"{type(e).__name__}: {e}")
 print(json.dumps(out))
+"""
+_PROBE_ENGINE = r"""
+import sys
+from gpuvirt.device.cuda_executor import CudaContext
+CudaContext.open()
+print("ready", flush=True)
+sys.stdin.read()
 """
 
 
@@ -117,6 +142,7 @@ class GpuInfo:
     cupy: str
     driver: int
     runtime: int
+    context: int  # one engine's CUDA context as budgeted (device/budget.py)
 
 
 def cupy_installed() -> bool:
@@ -137,7 +163,7 @@ def probe_gpu(timeout: float = PROBE_TIMEOUT_S) -> GpuInfo:
         )
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _PROBE],
+            [sys.executable, "-c", f"ENGINE_CONTEXT = {_PROBE_ENGINE!r}\n{_PROBE}"],
             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -149,21 +175,30 @@ def probe_gpu(timeout: float = PROBE_TIMEOUT_S) -> GpuInfo:
     if not lines:
         tail = (proc.stderr or proc.stdout).strip()[-1500:]
         raise DeviceError(f"the CUDA probe failed (exit {proc.returncode}):\n{tail}")
-    found: dict[str, Any] = json.loads(lines[-1])
+    return gpu_info(json.loads(lines[-1]))
+
+
+def gpu_info(found: dict[str, Any]) -> GpuInfo:
+    """What the probe printed, as GpuInfo; DeviceError for the stage that failed."""
     if found.get("stage") == "import":
         raise DeviceError(
             f"CuPy is installed but does not import: {found['error']}; reinstall it with "
             f"`{INSTALL_HINT}` matching your CUDA version"
         )
-    if "error" in found:
+    if found.get("stage") == "device":
         raise DeviceError(
             f"no usable NVIDIA GPU: {found['error']}. CuPy {found.get('cupy', '?')} is "
             "installed; check that an NVIDIA GPU and its driver are present (nvidia-smi) and "
             "that CUDA_VISIBLE_DEVICES does not hide it"
         )
+    if found.get("stage") == "context":
+        raise DeviceError(
+            f"measuring one engine's CUDA context on {found['name']} failed: {found['error']}"
+        )
     return GpuInfo(
         name=found["name"], free=found["free"], total=found["total"], count=found["count"],
         cupy=found["cupy"], driver=found["driver"], runtime=found["runtime"],
+        context=context_cost(found["free"], found["free_with_engine"]),
     )  # fmt: skip
 
 
@@ -184,10 +219,17 @@ class CoopEngine(ProcessEngine):
     cooperative = True
 
     def __init__(
-        self, spec: EngineSpec, fb_fd: int, backend: str = "cuda", fault: bool = False
+        self,
+        spec: EngineSpec,
+        fb_fd: int | None,
+        backend: str = "cuda",
+        fault: bool = False,
+        scratch: int = 0,
     ) -> None:
+        """fb_fd None: a spare (device/spare.py); scratch: the cap on kernel temporaries."""
         self.failure: str | None = None  # what the engine said when it could not start
-        super().__init__(spec, fb_fd, backend, ["--switch", "coop"], fault)
+        extra = ["--switch", "coop", "--scratch", str(scratch)]
+        super().__init__(spec, fb_fd, backend, extra, fault)
         self._poll = select.epoll()
         self._poll.register(self._ctl.fileno(), select.EPOLLIN)
         self._poll.register(self._pidfd, select.EPOLLIN)
@@ -225,7 +267,7 @@ class CoopEngine(ProcessEngine):
         self._drain_ctl()
         if self.status[Word.ACK_SERIAL] < self._serial:
             # Still inside whatever kept it from acknowledging the last command. Waiting
-            # another cmd_timeout would only delay the FLR that is coming.
+            # another limit would only delay the FLR that is coming.
             raise CommandTimeout(
                 f"VF{self.spec.vf}: engine pid {self.pid} has still not acknowledged "
                 f"{self._pending.name}; it is stuck in a kernel"
@@ -290,15 +332,24 @@ class CudaDevice(Device):
 
     backend = "cuda"
 
-    def __init__(self, probe_timeout: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(
+        self, kernel_scratch: int, probe_timeout: float = PROBE_TIMEOUT_S
+    ) -> None:
         self.gpu = probe_gpu(probe_timeout)
+        self.memory = EngineMemory(context=self.gpu.context, scratch=kernel_scratch)
         self._apertures: dict[int, tuple[int, int]] = {}  # vf -> (aperture fd, FB size)
         self._engines: dict[int, CoopEngine] = {}
-        self._faults = _Faults(os.environ.get(FAULT_ENV, ""))
+        self._faults = StartFaults(os.environ.get(FAULT_ENV, ""))
+        self._spare: Spare[CoopEngine] = Spare(
+            lambda: CoopEngine(SPARE, None, "cuda", scratch=kernel_scratch)
+        )
 
-    def total_fb(self) -> int | None:
+    def total_fb(self, vf_num: int) -> int | None:
         # The config takes pf_fb off this itself (HostConfig.vf_layout).
-        return self.gpu.free
+        return fb_room(self.gpu.free, self.memory, vf_num)
+
+    def engine_memory(self) -> EngineMemory:
+        return self.memory
 
     def create_fb(self, vf: int, size: int) -> int:
         fd = os.memfd_create(f"gpuvirt-vf{vf}-aperture", os.MFD_CLOEXEC)
@@ -327,8 +378,15 @@ class CudaDevice(Device):
         return self._apertures[vf][1]
 
     def new_engine(self, spec: EngineSpec) -> Engine:
+        """The spare when one is ready (its interpreter, CuPy and warmed-up context are
+        there already: the FLR waits only for the FB's allocation and scrub), and a new
+        spare behind it."""
         fd = self._apertures[spec.vf][0]
-        engine = CoopEngine(spec, fd, "cuda", self._faults.should_fail(spec.vf))
+        fault = self._faults.should_fail(spec.vf)
+        engine = self._spare.take(spec, fd, fault)
+        if engine is None:
+            engine = CoopEngine(spec, fd, "cuda", fault, self.memory.scratch)
+        self._spare.refill()
         self._engines[spec.vf] = engine
         return engine
 
@@ -344,120 +402,6 @@ class CudaDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
+        self._spare.close()
         for vf in list(self._apertures):
             self.destroy_fb(vf)
-
-
-def _fmt(n: int) -> str:
-    return f"{n / (1 << 20):.0f} MiB" if n >= 1 << 20 else f"{n} B"
-
-
-class CudaExecutor:
-    """Inside the engine: the FB is one device allocation, buffers are cupy views of it.
-
-    Everything a tenant's kernel does goes on one non-blocking stream, made current for
-    the engine's thread; so do the staging copies. `synchronize` drains that stream,
-    and the engine calls it after every launch and copy and before acknowledging IDLE.
-    """
-
-    def __init__(self, aperture_fd: int, fb_size: int, vf: int) -> None:
-        import cupy
-
-        self.xp: Any = cupy
-        self.size = fb_size
-        self.vf = vf
-        rt = cupy.cuda.runtime
-        self._rt = rt
-        self.aperture_size = os.fstat(aperture_fd).st_size
-        if self.aperture_size <= RESERVED_SIZE:
-            raise DeviceError(f"VF{vf}: aperture of {self.aperture_size} bytes has no staging area")
-        self.aperture = mmap.mmap(
-            aperture_fd, self.aperture_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
-        )
-        self._host = np.frombuffer(self.aperture, dtype=np.uint8)
-        self._host_ptr = int(self._host.ctypes.data)
-        cupy.cuda.Device(0).use()
-        try:
-            # cudaMalloc directly, not the memory pool: the FB is one fixed allocation
-            # that lives as long as the engine, and the pool's limit below is for scratch.
-            self._mem = cupy.cuda.Memory(fb_size)
-        except Exception as e:
-            free, total = rt.memGetInfo()
-            raise DeviceError(
-                f"VF{vf}: cannot allocate its {_fmt(fb_size)} FB on the device ({e}); "
-                f"{_fmt(free)} of {_fmt(total)} free now. Each engine's CUDA context also "
-                "takes device memory outside the FBs: lower device.fb_total or raise "
-                "device.pf_fb"
-            ) from None
-        self.base = cupy.cuda.MemoryPointer(self._mem, 0)
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.stream.use()
-        # The scrub: whatever the previous owner of this device memory left is gone
-        # before INIT_GPU is acknowledged.
-        self.base.memset_async(0, fb_size, self.stream)
-        # Kernel temporaries come from CuPy's pool, outside the FB; capped so one tenant
-        # cannot take the device memory other VFs' temporaries need.
-        cupy.get_default_memory_pool().set_limit(size=fb_size)
-        staging = self.aperture_size - RESERVED_SIZE
-        try:
-            rt.hostRegister(self._host_ptr + RESERVED_SIZE, staging, 0)
-            self.pinned = True
-        except Exception as e:
-            # Correct without it, only slower (the driver bounces through its own
-            # pinned buffers); say so where the operator looks.
-            print(f"gpuvirt engine VF{vf}: staging area not pinned ({e})", file=sys.stderr)
-            self.pinned = False
-        self.stream.synchronize()
-
-    def view(self, desc: BufDesc) -> Any:
-        self._check_fb(desc.offset, desc.nbytes, "buffer")
-        return self.xp.ndarray(desc.shape, dtype=desc.dtype, memptr=self.base + desc.offset)
-
-    def copy_in(self, copy: Copy) -> None:
-        self._check_copy(copy)
-        self._rt.memcpyAsync(
-            self.base.ptr + copy.fb_offset,
-            self._host_ptr + copy.staging_offset,
-            copy.nbytes,
-            self._rt.memcpyHostToDevice,
-            self.stream.ptr,
-        )
-
-    def copy_out(self, copy: Copy) -> None:
-        self._check_copy(copy)
-        self._rt.memcpyAsync(
-            self._host_ptr + copy.staging_offset,
-            self.base.ptr + copy.fb_offset,
-            copy.nbytes,
-            self._rt.memcpyDeviceToHost,
-            self.stream.ptr,
-        )
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
-
-    def to_host(self, value: Any) -> Any:
-        """A kernel's result with device arrays turned into numpy arrays, for the guest."""
-        xp = self.xp
-        if isinstance(value, xp.ndarray):
-            return xp.asnumpy(value, stream=self.stream)
-        if isinstance(value, tuple | list):
-            return type(value)(self.to_host(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self.to_host(v) for k, v in value.items()}
-        return value
-
-    def _check_fb(self, offset: int, nbytes: int, what: str) -> None:
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
-            raise ValueError(
-                f"{what} at FB offset {offset} of {nbytes} bytes is outside the {self.size}-byte FB"
-            )
-
-    def _check_copy(self, copy: Copy) -> None:
-        self._check_fb(copy.fb_offset, copy.nbytes, "copy")
-        end = copy.staging_offset + copy.nbytes
-        if copy.staging_offset < RESERVED_SIZE or end > self.aperture_size:
-            raise ValueError(
-                f"copy of {copy.nbytes} bytes at aperture offset {copy.staging_offset} is "
-                f"outside the staging area [{RESERVED_SIZE}, {self.aperture_size})"
-            )

@@ -10,14 +10,8 @@ goes back to the host without being touched page by page.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import mmap
 import os
 import signal
-from typing import Any
-
-import numpy as np
 
 from gpuvirt.device.base import (
     CommandTimeout,
@@ -27,49 +21,11 @@ from gpuvirt.device.base import (
     EngineSpec,
     Watchdog,
 )
-from gpuvirt.device.engine import ADOPT, CTL_ADOPT
-from gpuvirt.device.process import ProcessEngine, send_fd
-from gpuvirt.errors import DeviceError
-from gpuvirt.protocol.command import BufDesc, Copy
-from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU, PF2VF_OFFSET, RESERVED_SIZE
-
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-
-# Test-only fault switch, read once by the host: "VF:SKIP:COUNT" makes VF's
-# engine starts after the first SKIP fail (the process really exits during
-# start), COUNT times, or forever when COUNT is 0. Several specs: comma-separated.
-FAULT_ENV = "GPUVIRT_FAULT_ENGINE_START"
-SPARE = EngineSpec(vf=-1, fb_size=0)  # a spare's spec until it adopts a VF
-
-
-def punch_hole(fd: int, size: int) -> None:
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) != 0:
-        err = ctypes.get_errno()
-        raise DeviceError(f"scrub failed: fallocate(PUNCH_HOLE): {os.strerror(err)}")
-
-
-class _Faults:
-    def __init__(self, spec: str) -> None:
-        self.plan: dict[int, list[int]] = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            vf, skip, count = (int(x) for x in part.split(":"))
-            self.plan[vf] = [skip, count if count else -1]
-        self.starts: dict[int, int] = {}
-
-    def should_fail(self, vf: int) -> bool:
-        n = self.starts.get(vf, 0)
-        self.starts[vf] = n + 1
-        if vf not in self.plan:
-            return False
-        skip, left = self.plan[vf]
-        if n < skip or left == 0:
-            return False
-        if left > 0:
-            self.plan[vf][1] = left - 1
-        return True
+from gpuvirt.device.faults import FAULT_ENV, StartFaults
+from gpuvirt.device.memfd import punch_hole
+from gpuvirt.device.process import ProcessEngine
+from gpuvirt.device.spare import SPARE, Spare
+from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU
 
 
 class EmuEngine(ProcessEngine):
@@ -94,13 +50,6 @@ class EmuEngine(ProcessEngine):
 
     def _reaped_cleanup(self) -> None:
         self._watchdog.discard(self)
-
-    def adopt(self, spec: EngineSpec, fb_fd: int) -> None:
-        """Give a spare its VF; INIT_GPU then completes as for any fresh engine."""
-        self.spec = spec
-        with contextlib.suppress(OSError):  # its start was background work; this is not
-            os.setpriority(os.PRIO_PROCESS, self.pid, 0)
-        send_fd(self._ctl, CTL_ADOPT + ADOPT.pack(spec.vf, spec.fb_size), fb_fd)
 
     def _wait_stopped(self, timeout: float) -> None:
         """Block until the stop the last SIGSTOP asked for (or a fresh engine's own) lands.
@@ -157,11 +106,13 @@ class EmuDevice(Device):
         # needs no inter-processor interrupt (p50 switch ~145 → ~115 µs measured here).
         self.exec_cpus = {max(os.sched_getaffinity(0))}
         self._fbs: dict[int, tuple[int, int]] = {}  # vf -> (fd, size)
-        self._faults = _Faults(os.environ.get(FAULT_ENV, ""))
+        self._faults = StartFaults(os.environ.get(FAULT_ENV, ""))
         self._watchdog = Watchdog(watchdog_tick)
-        self._spare: EmuEngine | None = None
+        self._spare: Spare[EmuEngine] = Spare(
+            lambda: EmuEngine(SPARE, None, False, self._watchdog, self.exec_cpus)
+        )
 
-    def total_fb(self) -> int | None:
+    def total_fb(self, vf_num: int) -> int | None:
         return None
 
     def create_fb(self, vf: int, size: int) -> int:
@@ -185,15 +136,10 @@ class EmuDevice(Device):
         waits for no interpreter start), and a new spare behind it."""
         fb_fd = self._fbs[spec.vf][0]
         fault = self._faults.should_fail(spec.vf)
-        spare, self._spare = self._spare, None
-        if spare is not None and not fault and spare.alive():
-            spare.adopt(spec, fb_fd)
-            engine = spare
-        else:
-            if spare is not None:
-                spare.kill()
+        engine = self._spare.take(spec, fb_fd, fault)
+        if engine is None:
             engine = EmuEngine(spec, fb_fd, fault, self._watchdog, self.exec_cpus)
-        self._spare = EmuEngine(SPARE, None, False, self._watchdog, self.exec_cpus)
+        self._spare.refill()
         return engine
 
     def guest_fds(self, vf: int) -> list[int]:
@@ -207,59 +153,7 @@ class EmuDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
-        if self._spare is not None:
-            self._spare.kill()
+        self._spare.close()
         self._watchdog.stop()
         for vf in list(self._fbs):
             self.destroy_fb(vf)
-
-
-class EmuExecutor:
-    """Inside the engine: the FB is a shared mapping and buffers are numpy views of it."""
-
-    xp: Any = np
-
-    def __init__(self, fb_fd: int, fb_size: int) -> None:
-        self.fb = mmap.mmap(fb_fd, fb_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.size = fb_size
-
-    def view(self, desc: BufDesc) -> np.ndarray:
-        if desc.offset < 0 or desc.offset + desc.nbytes > self.size:
-            raise ValueError(
-                f"buffer at offset {desc.offset} of {desc.nbytes} bytes is outside the "
-                f"{self.size}-byte FB"
-            )
-        count = desc.nbytes // np.dtype(desc.dtype).itemsize
-        flat = np.frombuffer(self.fb, dtype=desc.dtype, count=count, offset=desc.offset)
-        return flat.reshape(desc.shape)
-
-    # The guest maps an emu FB and needs no staging; these copies let the staged path
-    # (guest/staging.py, the cuda backend's) run on emu too. The staging area is the
-    # unused first 64 KiB of the FB's reserved head (the info blocks start at 64 KiB).
-    def copy_in(self, copy: Copy) -> None:
-        fb = self._copy_range(copy)
-        fb[copy.fb_offset : copy.fb_offset + copy.nbytes] = fb[
-            copy.staging_offset : copy.staging_offset + copy.nbytes
-        ]
-
-    def copy_out(self, copy: Copy) -> None:
-        fb = self._copy_range(copy)
-        fb[copy.staging_offset : copy.staging_offset + copy.nbytes] = fb[
-            copy.fb_offset : copy.fb_offset + copy.nbytes
-        ]
-
-    def _copy_range(self, copy: Copy) -> np.ndarray:
-        if copy.staging_offset + copy.nbytes > PF2VF_OFFSET:
-            raise ValueError(
-                f"copy of {copy.nbytes} bytes at staging offset {copy.staging_offset} is "
-                f"outside emu's staging area [0, {PF2VF_OFFSET})"
-            )
-        if copy.fb_offset < RESERVED_SIZE or copy.fb_offset + copy.nbytes > self.size:
-            raise ValueError(
-                f"copy of {copy.nbytes} bytes at FB offset {copy.fb_offset} is outside the "
-                f"FB past its reserved head [{RESERVED_SIZE}, {self.size})"
-            )
-        return np.frombuffer(self.fb, dtype=np.uint8)
-
-    def synchronize(self) -> None:
-        pass

@@ -10,7 +10,7 @@ descriptors inherited. Two ways to world-switch, chosen by `--switch`:
 - `coop` (cuda, where a process cannot be stopped mid-kernel): the host
   writes CMD_CODE and CMD_SERIAL in the status area and wakes the engine on
   the control socket (CTL_WAKE); between kernels the engine follows the
-  command (IDLE: drain the stream, stop taking guest work; RUN: take it
+  command (IDLE: drain the device, stop taking guest work; RUN: take it
   again), stores ACK_SERIAL and answers CTL_ACK on the control socket. A
   fresh engine finds INIT_GPU with serial 1 already there and acknowledges it
   once its executor is up (on cuda: context, FB allocated and zeroed). An
@@ -25,7 +25,6 @@ attached), or exit. Kernels are the tenant's own code and run only here.
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
 import os
 import pickle
@@ -33,7 +32,6 @@ import select
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
@@ -42,19 +40,21 @@ from typing import Any, Protocol
 import cloudpickle
 
 from gpuvirt.device.base import WSCommand
+from gpuvirt.device.ctl import (
+    ADOPT,
+    CTL_ACK,
+    CTL_ADOPT,
+    CTL_EXIT,
+    CTL_FAIL,
+    CTL_GUEST,
+    CTL_WAKE,
+    recv_fd,
+)
 from gpuvirt.device.status import MAGIC, StatusArea, Word
 from gpuvirt.protocol.command import MAX_MESSAGE, BufDesc, Copy, Kind, Message, Status
 from gpuvirt.protocol.errors import ProtocolError
 
 MAX_RESULT = MAX_MESSAGE - 1024  # a DONE message must fit one datagram
-CTL_GUEST = b"G"
-CTL_ADOPT = b"A"  # + struct ADOPT (vf, FB size), the FB fd attached: a spare takes a VF
-ADOPT = struct.Struct("<IQ")
-CTL_EXIT = b"X"
-CTL_WAKE = b"W"
-# engine -> host, cooperative engines only
-CTL_ACK = b"A"  # ACK_SERIAL has moved
-CTL_FAIL = b"F"  # followed by utf-8 text: the engine could not start and is exiting
 
 
 class Executor(Protocol):
@@ -69,15 +69,6 @@ class Executor(Protocol):
     def copy_out(self, copy: Copy) -> None: ...
 
     def synchronize(self) -> None: ...
-
-
-def recv_fd(sock: socket.socket) -> tuple[bytes, int | None]:
-    fds = array.array("i")
-    msg, ancdata, _flags, _addr = sock.recvmsg(64, socket.CMSG_SPACE(fds.itemsize))
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-    return msg, (fds[0] if fds else None)
 
 
 class EngineLoop:
@@ -351,6 +342,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ctl-fd", type=int, required=True)
     p.add_argument("--idle-fd", type=int, required=True)
     p.add_argument("--fault-exit", action="store_true", help="test fault: die during start")
+    p.add_argument(
+        "--scratch", type=int, default=0,
+        help="cuda: the cap on kernel temporaries (CuPy's pool), outside the FB",
+    )  # fmt: skip
     p.add_argument("--host-pid", type=int, required=True)
     a = p.parse_args(argv)
     _die_with_host(a.host_pid)
@@ -368,17 +363,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     status = StatusArea(a.status_fd)
     ctl = socket.socket(fileno=a.ctl_fd)
-    if a.fb_fd < 0 and not _adopt(ctl, a):
+    executor = _executor(ctl, a)
+    if executor is None:
         return
-    executor: Executor
-    if a.backend == "emu":
-        from gpuvirt.device.emu import EmuExecutor
-
-        executor = EmuExecutor(a.fb_fd, a.fb_size)
-    else:
-        from gpuvirt.device.cuda import CudaExecutor
-
-        executor = CudaExecutor(a.fb_fd, a.fb_size, a.vf)
     status[Word.PID] = os.getpid()
     status[Word.MAGIC] = MAGIC
     status[Word.READY] = 1
@@ -398,21 +385,31 @@ def _adopt(ctl: socket.socket, a: argparse.Namespace) -> bool:
     return True
 
 
+def _executor(ctl: socket.socket, a: argparse.Namespace) -> Executor | None:
+    """The backend's executor on the VF's FB; a spare first waits to adopt one (None:
+    the host let it go). On cuda the context and its warm-up come before the wait, so
+    that a spare has done them ahead of need."""
+    if a.backend == "emu":
+        from gpuvirt.device.emu_executor import EmuExecutor
+
+        if a.fb_fd < 0 and not _adopt(ctl, a):
+            return None
+        return EmuExecutor(a.fb_fd, a.fb_size)
+    from gpuvirt.device.cuda_executor import CudaContext, CudaExecutor
+
+    context = CudaContext.open()
+    if a.fb_fd < 0 and not _adopt(ctl, a):
+        return None
+    return CudaExecutor(context, a.fb_fd, a.fb_size, a.vf, a.scratch)
+
+
 def _main_coop(a: argparse.Namespace) -> None:
     status = StatusArea(a.status_fd)
     ctl = socket.socket(fileno=a.ctl_fd)
     status[Word.PID] = os.getpid()
     status[Word.MAGIC] = MAGIC
-    executor: Executor
     try:
-        if a.backend == "emu":
-            from gpuvirt.device.emu import EmuExecutor
-
-            executor = EmuExecutor(a.fb_fd, a.fb_size)
-        else:
-            from gpuvirt.device.cuda import CudaExecutor
-
-            executor = CudaExecutor(a.fb_fd, a.fb_size, a.vf)
+        executor = _executor(ctl, a)
     except Exception as e:
         # Say why on the control socket: the host turns it into the engine-start error
         # an operator reads, instead of a bare "engine exited".
@@ -421,6 +418,8 @@ def _main_coop(a: argparse.Namespace) -> None:
             ctl.send(CTL_FAIL + why)
         traceback.print_exc()
         sys.exit(4)
+    if executor is None:
+        return
     status[Word.READY] = 1
     loop = CoopEngineLoop(executor, status, ctl, a.idle_fd)
     loop.follow()  # acknowledges the INIT_GPU the host left in the status area

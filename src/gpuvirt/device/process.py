@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from gpuvirt.device.base import Engine, EngineSpec
-from gpuvirt.device.engine import CTL_EXIT, CTL_GUEST
+from gpuvirt.device.ctl import ADOPT, CTL_ADOPT, CTL_EXIT, CTL_GUEST
 from gpuvirt.device.status import StatusArea
 
 # An engine is one execution context, as a VF is one slice of the device. It also
@@ -35,7 +35,7 @@ class ProcessEngine(Engine):
     def __init__(
         self, spec: EngineSpec, fb_fd: int | None, backend: str, extra: list[str], fault: bool
     ) -> None:
-        """fb_fd None: a spare, which gets its FB later (emu's EmuEngine.adopt)."""
+        """fb_fd None: a spare, which gets its FB later (adopt)."""
         status_fd = StatusArea.create(f"gpuvirt-vf{spec.vf}-status")
         super().__init__(spec, StatusArea(status_fd))
         self._prepare()
@@ -85,6 +85,14 @@ class ProcessEngine(Engine):
         if self._reaped:
             return False
         return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+
+    def adopt(self, spec: EngineSpec, fb_fd: int) -> None:
+        """Give a spare (started with fb_fd None) its VF; INIT_GPU then completes as for
+        any fresh engine (device/spare.py)."""
+        self.spec = spec
+        with contextlib.suppress(OSError):  # its start was background work; this is not
+            os.setpriority(os.PRIO_PROCESS, self.pid, 0)
+        send_fd(self._ctl, CTL_ADOPT + ADOPT.pack(spec.vf, spec.fb_size), fb_fd)
 
     def attach_guest(self, channel_fd: int) -> None:
         send_fd(self._ctl, CTL_GUEST, channel_fd)

@@ -32,6 +32,7 @@ from gpuvirt.errors import (
     HostUnreachableError,
     VFResetError,
 )
+from gpuvirt.guest.extension import NetExtension, make_netgpu
 from gpuvirt.guest.memory import Allocator, Buffer, MappedFB
 from gpuvirt.guest.queue import CommandQueue, Kernel, LaunchFuture, kernel
 from gpuvirt.guest.staging import StagedFB, StagingArea
@@ -106,7 +107,7 @@ class Gpu:
         self._queue: CommandQueue | None = None
         self._allocator: Allocator | None = None
         self._key = 0
-        self._netgpu: Any = None
+        self._netgpu: NetExtension | None = None
         self._stop = threading.Event()
         self._mbox = threading.Thread(
             target=self._mailbox, name=f"gpuvirt-vf{vf}-mbox", daemon=True
@@ -155,10 +156,8 @@ class Gpu:
 
     @property
     def netgpu(self) -> Any:
-        from gpuvirt.netgpu.pool import NetGPU
-
         if self._netgpu is None:
-            self._netgpu = NetGPU(self)
+            self._netgpu = make_netgpu(self)
         return self._netgpu
 
     def wait_ready(self, timeout: float = FLR_TIMEOUT_S) -> None:

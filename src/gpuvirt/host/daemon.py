@@ -57,15 +57,15 @@ class Host:
         self.admin_address = config.host.admin_address()
         self.state_dir = config.host.state_path()
         self.events = EventLog(self.state_dir / "events.jsonl")
-        self.device = make_device(config.device.backend)
-        plans = config.vf_layout(self.device.total_fb())
+        self.device = make_device(config.device.backend, config.device.kernel_scratch)
+        plans = config.vf_layout(self.device.total_fb(config.sriov.vf_num))
         self.vfm = VFManager(
             [VF(p.index, p, load_or_create_token(p.token_file)) for p in plans], self.events
         )
         sc = config.scheduler
         self.sched = Scheduler(
             Policy(sc.policy), sc.time_slice_ms, sc.cmd_timeout_ms, sc.job_timeout_s,
-            self._fault_from_sched, self.device.exec_cpus,
+            self._fault_from_sched, self.device.exec_cpus, sc.coop_idle_timeout_ms,
         )  # fmt: skip
         self.lifecycle = asyncio.Lock()
         self.resetter = Resetter(self)
@@ -427,6 +427,9 @@ class Host:
             "index": vf.index,
             "state": str(vf.state),
             "fb_total": vf.fb,
+            # Device memory its engine takes outside the FB (cuda; 0 on emu), budgeted.
+            "context_bytes": self.device.engine_memory().context,
+            "scratch_bytes": self.device.engine_memory().scratch,
             "fb_used": vf.vf2pf.get("fb_used", 0),
             "fb_resident": self.device.fb_resident(vf.index) if vf.state != S.UNAVAIL else 0,
             "weight": vf.plan.weight,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from gpuvirt.device.base import Engine, WSCommand
+from gpuvirt.device.base import Engine, WSCommand, command_limit
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
 
@@ -111,10 +111,15 @@ class Scheduler:
         job_timeout_s: float,
         on_fault: FaultHandler,
         cpus: set[int] | None = None,
+        coop_idle_timeout_ms: float | None = None,
     ) -> None:
+        """coop_idle_timeout_ms: a cooperative engine's limit on IDLE (None: cmd_timeout)."""
         self.policy = Policy(policy)
         self.slice_ns = int(time_slice_ms * 1e6)
         self.cmd_timeout = cmd_timeout_ms / 1000
+        self.coop_idle_timeout = (
+            self.cmd_timeout if coop_idle_timeout_ms is None else coop_idle_timeout_ms / 1000
+        )
         self.job_timeout_ns = int(job_timeout_s * 1e9)
         self.on_fault = on_fault
         self.cpus = cpus
@@ -363,8 +368,11 @@ class Scheduler:
             os.eventfd_write(self._wake, 1)  # drained before the flag was up
 
     def _cmd(self, e: Entry, cmd: WSCommand) -> None:
-        took = e.engine.command(cmd, self.cmd_timeout)
+        took = e.engine.command(cmd, self._limit(e, cmd))
         self.stats.commands_ns[cmd.name].append(int(took * 1e9))
+
+    def _limit(self, e: Entry, cmd: WSCommand) -> float:
+        return command_limit(cmd, e.engine.cooperative, self.cmd_timeout, self.coop_idle_timeout)
 
     def _switch(self, nxt: Entry | None) -> None:
         """IDLE(cur) SAVE(cur) LOAD(nxt) RUN(nxt); bookkeeping only once nxt runs."""
@@ -457,7 +465,7 @@ class Scheduler:
             self._unwatch_idle(e)
             if e.engine.running and e.engine.alive():
                 with contextlib.suppress(DeviceError):
-                    e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
+                    e.engine.command(WSCommand.IDLE_GPU, self._limit(e, WSCommand.IDLE_GPU))
             self.current = None
             self._idle_since = time.monotonic_ns()
         self.on_fault(e.vf, reason, detail)
@@ -507,7 +515,7 @@ class Scheduler:
             self._switch(None)
         elif e.engine.running and e.engine.alive():
             with contextlib.suppress(DeviceError):
-                e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
+                e.engine.command(WSCommand.IDLE_GPU, self._limit(e, WSCommand.IDLE_GPU))
         self._unwatch_doorbell(e)
         _unregister(self._sel, e.engine.exit_fd())
         if self.exclusive == vf:

@@ -48,6 +48,12 @@ class Frag(NamedTuple):
         """The fragment's bytes in device memory as a 1-D array (a view; nothing is copied)."""
         pool = self.pool
         pool.check_token(self.token)
+        if pool.memory is None:
+            raise NetGPUError(
+                f"this fragment is in device memory that this process cannot map "
+                f"({pool.provider.name}); use frag.buffer() as a kernel argument, or "
+                "frag.buffer().read() for a host copy"
+            )
         start = self.offset - pool.offset
         return pool.memory[start : start + self.size].view(_dtype_for(self, dtype))
 

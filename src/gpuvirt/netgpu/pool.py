@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpuvirt.errors import BufferLostError
+from gpuvirt.guest.extension import register_netgpu
 from gpuvirt.guest.memory import ALIGN
 from gpuvirt.netgpu.errors import NetGPUError, TokenError
 from gpuvirt.netgpu.providers import Provider, Selection, select_provider
@@ -84,6 +85,9 @@ class NetGPU:
                 rx.interrupt()
 
 
+register_netgpu(NetGPU)
+
+
 class Pool:
     def __init__(self, net: NetGPU, nbytes: int, chunk: int, provider: Provider) -> None:
         if chunk <= 0 or chunk % ALIGN:
@@ -101,8 +105,15 @@ class Pool:
         self.generation = gpu.generation
         assert gpu._allocator is not None
         self.offset = gpu._allocator.alloc(self.nbytes)
-        self.memory: np.ndarray = gpu._fb.view(self.offset, self.nbytes)
-        self.view = memoryview(self.memory)  # what receivers slice for recv_into
+        # What receivers slice for recv_into: the mapped FB, or (cuda) the provider's
+        # window onto device memory, which this process cannot map.
+        self.memory: np.ndarray | None = None
+        self.view: Any
+        if provider.mapped:
+            self.memory = gpu._fb.view(self.offset, self.nbytes)
+            self.view = memoryview(self.memory)
+        else:
+            self.view = provider.window(self)
         self.closed = False
         self._lock = threading.Lock()
         # LIFO: a consumer that keeps up keeps reusing the same few (cache-warm) chunks.
@@ -114,6 +125,17 @@ class Pool:
         self._rxs: weakref.WeakSet[Rx] = weakref.WeakSet()
         self.dry_waits = 0  # times a receiver found the pool dry and had to wait
         provider.bind(self)
+
+    def _rx_class(self) -> type[Rx]:
+        from gpuvirt.netgpu.rx import Rx, SettledRx
+
+        return Rx if self.provider.mapped else SettledRx
+
+    def received(self, pos: int, n: int) -> Any:
+        """Bytes a receiver just read into [pos, pos + n) of the pool, from host memory."""
+        if self.memory is not None:
+            return self.view[pos : pos + n]
+        return self.provider.received()
 
     def __repr__(self) -> str:
         return (
@@ -141,9 +163,7 @@ class Pool:
         closes it when the stream ends. `stream` names a raw stream (framed
         streams carry their id in the header).
         """
-        from gpuvirt.netgpu.rx import Rx
-
-        rx = Rx(self, framed=framed, crc=crc, timeout=timeout, streams=1)
+        rx = self._rx_class()(self, framed=framed, crc=crc, timeout=timeout, streams=1)
         rx.add_socket(sock, stream=stream)
         return self._track(rx)
 
@@ -163,8 +183,6 @@ class Pool:
         Raw streams are numbered in accept order. A framed message may be at
         most `max_message` bytes, by default the pool's share per stream.
         """
-        from gpuvirt.netgpu.rx import Rx
-
         if streams < 1:
             raise NetGPUError(f"streams = {streams}: need at least one")
         if streams > self.nchunks:
@@ -172,7 +190,7 @@ class Pool:
                 f"streams = {streams}: a pool of {self.nchunks} chunks can serve at most "
                 f"{self.nchunks} streams (each fills a chunk of its own)"
             )
-        rx = Rx(self, framed=framed, crc=crc, timeout=timeout, streams=streams)
+        rx = self._rx_class()(self, framed=framed, crc=crc, timeout=timeout, streams=streams)
         if max_message is not None:
             rx.max_message = min(max_message, rx.max_message)
         rx.listen(addr)

@@ -36,7 +36,7 @@ from gpuvirt.netgpu.stream import BLOCKED, DRY, OK, Stream
 if TYPE_CHECKING:
     from gpuvirt.netgpu.pool import Pool
 
-__all__ = ["Rx"]
+__all__ = ["Rx", "SettledRx"]
 
 _EPOLLIN = select.EPOLLIN | select.EPOLLRDHUP
 
@@ -368,3 +368,18 @@ def _peer(sock: socket.socket) -> str:
     if isinstance(name, tuple):
         return f"{name[0]}:{name[1]}"
     return str(name) or "a local socket"
+
+
+class SettledRx(Rx):
+    """An Rx for a pool in device memory this process cannot map (cuda-staging).
+
+    Reads land in staging and their copies to the device run behind them on the
+    engine's stream; a fragment is handed out only once everything read so far is in
+    device memory, so a kernel launched on it (or a token released and its chunk
+    reused) never races a copy.
+    """
+
+    def __next__(self) -> Frag:
+        frag = super().__next__()
+        self.pool.provider.flush()
+        return frag

@@ -52,6 +52,7 @@ class Stream:
         self.sock = sock
         self.fd = sock.fileno()
         self.recv = pool.provider.reader(sock)
+        self.received = pool.received  # the bytes a read just brought in (for a crc32)
         self.peer = peer
         self.stream = stream  # framed: replaced by the header's id once the first one is read
         self.stream_known = False
@@ -180,7 +181,7 @@ class Stream:
             )
         self.drained = pos + n < end
         if self.check_crc:  # the one case where the CPU reads payload: it was asked to
-            self.crc = zlib.crc32(self.view[pos : pos + n], self.crc)
+            self.crc = zlib.crc32(self.received(pos, n), self.crc)
         self.piece_pos = pos + n
         self.left -= n
         self.bytes += n

@@ -5,6 +5,8 @@ zcrx, userspace) and returns the first that can serve the VF, with the
 reason for every one it passed over, so a person can see why data is not
 taking the path they expected. devmem and zcrx are listed for their reasons
 only: gpuvirt has no implementation of them yet, and never pretends to.
+cuda-staging serves VFs of a cuda host (device memory, through the staging
+area), userspace those of an emu host (a mapped FB).
 """
 
 from __future__ import annotations
@@ -15,16 +17,28 @@ from typing import TYPE_CHECKING
 
 from gpuvirt.netgpu.errors import NetGPUError
 from gpuvirt.netgpu.providers.base import Provider
+from gpuvirt.netgpu.providers.cuda_staging import CudaStagingProvider
 from gpuvirt.netgpu.providers.userspace import UserspaceProvider
 
 if TYPE_CHECKING:
     from gpuvirt.guest.client import Gpu
 
-__all__ = ["PROVIDERS", "Provider", "Selection", "UserspaceProvider", "select_provider"]
+__all__ = [
+    "PROVIDERS",
+    "CudaStagingProvider",
+    "Provider",
+    "Selection",
+    "UserspaceProvider",
+    "select_provider",
+]
 
-PROVIDERS: dict[str, type[Provider]] = {"userspace": UserspaceProvider}
-# Best first. The names without a class are the kernel zero-copy paths to come.
-ORDER = ("devmem", "io_uring-zcrx", "userspace")
+PROVIDERS: dict[str, type[Provider]] = {
+    "cuda-staging": CudaStagingProvider,
+    "userspace": UserspaceProvider,
+}
+# Best first. The names without a class are the kernel zero-copy paths to come. The two
+# with one serve different backends: cuda-staging a device-memory FB, userspace a mapped one.
+ORDER = ("devmem", "io_uring-zcrx", "cuda-staging", "userspace")
 DEVMEM_KERNEL = (6, 12)  # devmem TCP rx merged in Linux 6.12
 ZCRX_KERNEL = (6, 15)  # io_uring zero-copy rx merged in Linux 6.15
 

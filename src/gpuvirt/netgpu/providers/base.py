@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import socket
@@ -42,6 +42,9 @@ class Provider(ABC):
     # "receiver": the receiver says where each read lands (recv_into).
     # "kernel": the kernel/NIC places the data and reports where (devmem, zcrx).
     placement: ClassVar[str] = "receiver"
+    # Whether the pool's memory is mapped into this process (pool.memory, frag.array());
+    # False: device memory only the engine reaches, and `window` stands in for the view.
+    mapped: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod
@@ -54,6 +57,18 @@ class Provider(ABC):
 
     def unbind(self, pool: Pool) -> None:
         """Undo `bind` when the pool closes."""
+
+    def window(self, pool: Pool) -> Any:
+        """An unmapped provider's stand-in for the pool's host view (see cuda_staging)."""
+        raise NotImplementedError(f"{self.name} maps the pool; it needs no window")
+
+    def received(self) -> Any:
+        """An unmapped provider: the bytes of its latest read, in host memory (a crc32)."""
+        raise NotImplementedError(f"{self.name} maps the pool; read them there")
+
+    def flush(self) -> None:
+        """Wait until every read so far is in device memory; at once where reads land
+        in place (a mapped pool)."""
 
     @abstractmethod
     def reader(self, sock: socket.socket) -> Reader:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from gpuvirt.guest.staging import StagedFB, StagedUpload, StagingArea
 from gpuvirt.netgpu.errors import NetGPUError
@@ -46,6 +46,39 @@ MIN_CHUNK = 64 << 10
 MAX_CHUNKS = 8  # copies in flight per pool; more only holds staging other pools could use
 
 
+class DeviceRange(NamedTuple):
+    """A range of the FB, where a host view would have given a memoryview slice."""
+
+    fb_offset: int
+    nbytes: int
+
+
+class DeviceWindow:
+    """An unmapped pool's stand-in for its host view, so a receiver (stream.py) addresses
+    it the same way: a slice is a DeviceRange to receive into; assigning to a slice
+    places bytes the receiver already holds (auto mode's first bytes) with `write_at`."""
+
+    def __init__(self, provider: CudaStagingProvider, fb_offset: int, nbytes: int) -> None:
+        self._provider = provider
+        self._fb_offset = fb_offset
+        self._nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self._nbytes
+
+    def __getitem__(self, where: slice) -> DeviceRange:
+        start, stop, step = where.indices(self._nbytes)
+        if step != 1:
+            raise ValueError("a pool window is sliced contiguously")
+        return DeviceRange(self._fb_offset + start, max(0, stop - start))
+
+    def __setitem__(self, where: slice, data: bytes) -> None:
+        target = self[where]
+        if len(data) != target.nbytes:
+            raise ValueError(f"{len(data)} bytes for a {target.nbytes}-byte range")
+        self._provider.write_at(target.fb_offset, data)
+
+
 class CudaStagingProvider(Provider):
     name = "cuda-staging"
     placement = "receiver"
@@ -64,8 +97,9 @@ class CudaStagingProvider(Provider):
         fb = getattr(gpu, "_fb", None)
         if not isinstance(fb, StagedFB):
             return (
-                "the VF's FB is mapped into this process (emu backend); `userspace` receives "
-                "straight into it without a staging copy"
+                "cuda-staging serves VFs of a cuda host (an NVIDIA GPU driven through CuPy, "
+                'device.backend = "cuda"); this VF\'s FB is mapped into this process (emu '
+                "backend), and `userspace` receives straight into it without a staging copy"
             )
         if fb.staging.free_bytes < 2 * MIN_CHUNK:
             return (
@@ -86,11 +120,27 @@ class CudaStagingProvider(Provider):
     def unbind(self, pool: Pool) -> None:
         self.detach()
 
+    def window(self, pool: Pool) -> DeviceWindow:
+        return DeviceWindow(self, pool.offset, pool.nbytes)
+
     def reader(self, sock: socket.socket) -> Reader:
-        raise NetGPUError(
-            "cuda-staging has no host view of the pool to recv_into; the receiver must use "
-            "reader_at(sock), which addresses reads by FB offset"
-        )
+        """recv_into's shape over the pool's window: a DeviceRange (a slice of the window)
+        is received through staging (`reader_at`); host memory (a header) directly."""
+        recv_at = self.reader_at(sock)
+        recv_into = sock.recv_into
+
+        def recv(target: Any, nbytes: int = 0, flags: int = 0) -> int:
+            if target.__class__ is DeviceRange:
+                # MSG_WAITALL does not apply: a short read is a smaller copy, and the
+                # receiver reads the rest next time.
+                return recv_at(target.fb_offset, nbytes or target.nbytes)
+            return recv_into(target, nbytes, flags)
+
+        return recv
+
+    def received(self) -> Any:
+        """The bytes of the latest read, in staging (for a crc32): there is no host view."""
+        return self.last
 
     # ---- the staging path --------------------------------------------------------------
 
@@ -109,6 +159,7 @@ class CudaStagingProvider(Provider):
     def detach(self) -> None:
         up, self._up = self._up, None
         self._copies.clear()
+        self.last = None  # a view of the staging mapping: it would keep the mapping open
         if up is not None:
             up.close()
 

@@ -27,7 +27,7 @@ class UserspaceProvider(Provider):
         if gpu.info is None or not gpu.info.feature_flags & FEATURE_FB_MAPPED:
             return (
                 "userspace receive needs the guest to map its FB (the emu backend); this VF's "
-                "FB is device memory, and the cuda staging receive is not wired in yet"
+                "FB is device memory: cuda-staging serves it"
             )
         return None
 
