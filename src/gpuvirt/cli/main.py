@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from gpuvirt.cli import netgpu, vf
+from gpuvirt.cli import k8s, netgpu, vf
 from gpuvirt.cli.host_cmd import host
 
 app = typer.Typer(
@@ -17,6 +17,7 @@ app = typer.Typer(
 app.command()(host)
 app.add_typer(vf.app, name="vf")
 app.add_typer(netgpu.app, name="netgpu")
+app.add_typer(k8s.app, name="k8s")
 
 
 def _register_optional() -> None:
