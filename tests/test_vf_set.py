@@ -225,3 +225,23 @@ def test_cli_sets_and_reports_refusals(make_host: MakeHost) -> None:
     r = cli(hp, "set", "0")
     assert r.returncode == 2 and "nothing to set" in r.stderr
     assert Path(hp.config_path).exists()
+
+
+def test_a_quarantined_vf_is_recarved_without_an_engine_and_comes_back_at_its_new_size(
+    make_host: MakeHost,
+) -> None:
+    hp = make_host(reset={"guard_flr": "1/60s"})
+    for _ in range(2):
+        hp.admin.vf(1, "reset")
+    wait_state(hp, 1, "QUARANTINED")
+    v = hp.admin.vf_set(1, fb="150MiB")
+    assert (v["state"], v["fb_total"], v["engine_pid"]) == ("QUARANTINED", 150 * MiB, None)
+    assert hp.admin.vf(1, "clear-guard")["state"] == "AVAIL"
+    with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as gpu:
+        assert gpu.fb_size == 150 * MiB
+
+
+def test_no_such_vf_is_404(make_host: MakeHost) -> None:
+    hp = make_host(sriov={"vf_num": 1})
+    code, body = post(hp, "/vf/3/set", b'{"weight": 2}')
+    assert code == 404 and "no VF '3'" in body["error"]
