@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from gpuvirt.cli import bench, events, netgpu, top, vf
+from gpuvirt.cli import bench, events, k8s, netgpu, top, vf
 from gpuvirt.cli.demo.command import demo
 from gpuvirt.cli.host_cmd import host
 
@@ -23,3 +23,4 @@ for command in (host, top.top, events.events, bench.bench, demo):
     app.command()(command)
 app.add_typer(vf.app, name="vf")
 app.add_typer(netgpu.app, name="netgpu")
+app.add_typer(k8s.app, name="k8s")

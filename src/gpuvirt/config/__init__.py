@@ -42,7 +42,7 @@ from gpuvirt.config.defaults import (
     MiB,
     TiB,
 )  # fmt: skip
-from gpuvirt.config.loader import config_from_dict, load_config, parse_config
+from gpuvirt.config.loader import config_from_dict, load_config, parse_config, parse_vf_settings
 from gpuvirt.config.model import HostConfig
 from gpuvirt.config.sections import (
     DeviceSection,
@@ -52,6 +52,7 @@ from gpuvirt.config.sections import (
     SriovSection,
     VFPlan,
     VFSection,
+    VFSettings,
 )  # fmt: skip
 from gpuvirt.config.sizes import MAX_SIZE, format_size, parse_size, parse_window
 from gpuvirt.paths import (
@@ -112,6 +113,7 @@ __all__ = [
     "TiB",
     "VFPlan",
     "VFSection",
+    "VFSettings",
     "config_from_dict",
     "default_runtime_dir",
     "default_state_dir",
@@ -121,5 +123,6 @@ __all__ = [
     "parse_config",
     "parse_size",
     "parse_token",
+    "parse_vf_settings",
     "parse_window",
 ]  # fmt: skip

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from gpuvirt import paths
 from gpuvirt.config.model import HostConfig, InvalidConfig
+from gpuvirt.config.sections import VFSettings
 from gpuvirt.config.toml import show, toml_type
 from gpuvirt.errors import ConfigError
 
@@ -58,6 +59,23 @@ def parse_config(
 def config_from_dict(data: Mapping[str, Any], *, source: str = "<dict>") -> HostConfig:
     """Validate parsed TOML; every problem becomes one line of a ConfigError."""
     return _build(data, source, frozenset())
+
+
+def parse_vf_settings(data: object, source: str = "VF settings") -> VFSettings:
+    """`VFSettings` from a JSON-like object such as ``{"fb": "4GiB", "weight": 3}``.
+
+    Raises ConfigError with one ``key = value: reason`` line per problem.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f'{source}: expected an object such as {{"fb": "4GiB", '
+            f'"weight": 2}}, got {toml_type(data)}'
+        )
+    try:
+        return VFSettings.model_validate(data)
+    except ValidationError as e:
+        problems = [_describe(err, frozenset(), VFSettings) for err in e.errors(include_url=False)]
+    raise ConfigError(f"{source}: " + "; ".join(problems))
 
 
 def _load_file(path: Path, overrides: Mapping[str, object] | None, how: str) -> HostConfig:
@@ -140,9 +158,9 @@ _EXPECTED = {
 }
 
 
-def _fields_at(loc: Sequence[int | str]) -> list[str]:
+def _fields_at(loc: Sequence[int | str], root: type[BaseModel] = HostConfig) -> list[str]:
     """Field names of the model a location points into, for 'did you mean'."""
-    model: Any = HostConfig
+    model: Any = root
     for part in loc:
         if isinstance(part, int):
             continue
@@ -158,7 +176,11 @@ def _fields_at(loc: Sequence[int | str]) -> list[str]:
     return list(model.model_fields)
 
 
-def _describe(err: Mapping[str, Any], override_keys: frozenset[tuple[str, ...]]) -> str:
+def _describe(
+    err: Mapping[str, Any],
+    override_keys: frozenset[tuple[str, ...]],
+    root: type[BaseModel] = HostConfig,
+) -> str:
     loc = tuple(err["loc"])
     key = _dotted(loc)
     kind = err["type"]
@@ -167,7 +189,7 @@ def _describe(err: Mapping[str, Any], override_keys: frozenset[tuple[str, ...]])
     if kind == "missing":
         return f"{key}: missing; this key is required"
     if kind == "extra_forbidden":
-        known = _fields_at(loc[:-1])
+        known = _fields_at(loc[:-1], root)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f"did you mean {close[0]}?" if close else "known keys here: " + ", ".join(known)
         reason = f"unknown key; {hint}"

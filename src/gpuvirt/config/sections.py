@@ -250,6 +250,16 @@ class VFSection(BaseModel):
     allowed_uids: Annotated[list[int] | None, AfterValidator(_uid_list)] = None
 
 
+class VFSettings(BaseModel):
+    """A change to one running VF (``gpuvirt vf set``, the admin API, a DRA claim's
+    parameters): the same keys and rules as ``[[vf]]``; None leaves a value as it is."""
+
+    model_config = MODEL
+
+    fb: VFSize | None = None
+    weight: Annotated[float, _in_range(0, above=True)] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class VFPlan:
     """One VF as the host will set it up: every value resolved."""
