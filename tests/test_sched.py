@@ -9,16 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 import gpuvirt
 from gpuvirt.bench.workers import Workers, busy_guest, record
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.errors import StateError
-from gpuvirt.host.events import EventLog
-from gpuvirt.host.vfmgr import TRANSITIONS, VF, VFManager, VFState
 from helpers import MakeHost
 
 pytestmark = pytest.mark.timeout(180)
@@ -122,31 +118,3 @@ def test_world_switch_commands_only_in_gims_order() -> None:
     finally:
         engine.kill()
         dev.close()
-
-
-@given(path=st.lists(st.sampled_from(list(VFState)), max_size=10))
-def test_vf_transitions_outside_the_table_raise(path: list[VFState], tmp_path_factory) -> None:
-    from gpuvirt.config import VFPlan
-
-    plan = VFPlan(0, 1 << 20, 1.0, tmp_path_factory.getbasetemp() / "t", None)
-    vfm = VFManager([VF(0, plan, b"\0" * 32)], EventLog(None))
-    vf = vfm[0]
-    for new in path:
-        old = vf.state
-        if new in TRANSITIONS[old]:
-            vfm.transition(vf, new, "test")
-            assert vf.state == new
-        else:
-            with pytest.raises(StateError, match=f"{old} → {new}"):
-                vfm.transition(vf, new, "test")
-            assert vf.state == old
-    assert [e.data["new"] for e in vfm.events.since()] == [s for s in _accepted(path)]
-
-
-def _accepted(path: list[VFState]) -> list[str]:
-    state, out = VFState.UNAVAIL, []
-    for new in path:
-        if new in TRANSITIONS[state]:
-            state = new
-            out.append(str(new))
-    return out

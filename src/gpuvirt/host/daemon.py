@@ -32,7 +32,7 @@ from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.mailbox import Session
 from gpuvirt.host.reset import Resetter
 from gpuvirt.host.sched import Policy, Scheduler, raise_priority
-from gpuvirt.host.vfmgr import VF, VFManager, VFState
+from gpuvirt.host.vfmgr import VF, Action, VFEvent, VFManager, VFState
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (
     BLOCK_SIZE,
@@ -43,7 +43,8 @@ from gpuvirt.protocol.info import (
     VF2PF_OFFSET,
 )
 
-S = VFState
+S, E = VFState, VFEvent
+ENGINE_START_TRIES = 3  # an OSError (EMFILE, fork failure) may clear; then the VF fails
 SWITCH_INTERVAL_S = 0.0002
 LOOP_PRIORITY = 5  # below the scheduler thread's (sched.RT_PRIORITY)
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -60,7 +61,9 @@ class Host:
         self.device = make_device(config.device.backend)
         plans = config.vf_layout(self.device.total_fb())
         self.vfm = VFManager(
-            [VF(p.index, p, load_or_create_token(p.token_file)) for p in plans], self.events
+            [VF(p.index, p, load_or_create_token(p.token_file)) for p in plans],
+            self.events,
+            {Action.RELEASE_FULLACCESS: self.release_fullaccess},
         )
         sc = config.scheduler
         self.sched = Scheduler(
@@ -68,7 +71,7 @@ class Host:
             self._fault_from_sched, self.device.exec_cpus,
         )  # fmt: skip
         self.lifecycle = asyncio.Lock()
-        self.resetter = Resetter(self)
+        self.resetter = Resetter(self.vfm, self.events, self, config.reset, self.lifecycle)
         self.liveness = (C.LIVENESS_INTERVAL_S, C.LIVENESS_TIMEOUT_S)
         self.uuids = {vf.index: uuid.uuid4().bytes for vf in self.vfm.vfs}
         self.started = time.time()
@@ -180,13 +183,26 @@ class Host:
     # ---- engines and the schedule ----------------------------------------------------
 
     async def start_engine(self, vf: VF) -> None:
-        """A fresh engine for the VF, INIT_GPU done, on the schedule."""
-        engine = self.device.new_engine(EngineSpec(vf.index, vf.fb))
+        """A fresh engine for the VF, INIT_GPU done, on the schedule; DeviceError if none
+        starts (an OSError is retried a bounded number of times first)."""
+        for attempt in range(ENGINE_START_TRIES):
+            try:
+                engine = self.device.new_engine(EngineSpec(vf.index, vf.fb))
+                break
+            except OSError as e:
+                self.events.emit(
+                    Category.RESET, "engine.start_error",
+                    f"engine for VF{vf.index} did not spawn (try {attempt + 1}): {e}",
+                    vf.index, error=str(e), attempt=attempt + 1,
+                )  # fmt: skip
+                if attempt + 1 == ENGINE_START_TRIES:
+                    raise DeviceError(f"VF{vf.index}: no engine could be started: {e}") from e
+                await asyncio.sleep(0.05 * 2**attempt)  # back off: fds or pids may free up
         try:
             await asyncio.to_thread(engine.command, WSCommand.INIT_GPU, C.ENGINE_START_TIMEOUT_S)
-        except DeviceError:
+        except (DeviceError, OSError) as e:
             await asyncio.to_thread(engine.kill)
-            raise
+            raise DeviceError(f"VF{vf.index}: engine did not initialize: {e}") from e
         with contextlib.suppress(OSError):  # without CAP_SYS_NICE it stays at its start nice
             os.setpriority(os.PRIO_PROCESS, engine.pid, 0)
         vf.engine = engine
@@ -194,18 +210,24 @@ class Host:
 
     async def bring_up(self, vf: VF, reason: str) -> bool:
         """A fresh engine, then AVAIL; FAILED when the engine does not start."""
+        up = E.ENABLED if vf.state == S.UNAVAIL else E.ENGINE_UP
         try:
             await self.start_engine(vf)
         except DeviceError as e:
-            self.vfm.transition(vf, S.FAILED, f"engine did not start: {e}")
+            self.vfm.send(vf, E.ENGINE_FAILED, f"engine did not start: {e}")
             return False
-        self.vfm.transition(vf, S.AVAIL, reason)
+        self.vfm.send(vf, up, reason)
         return True
 
     def renew_fb(self, vf: VF) -> None:
-        """Scrub the FB and hand the next tenant a fresh one (see Device.renew_fb)."""
-        self._info.pop(vf.index).close()
-        fd = self.device.renew_fb(vf.index)
+        """Scrub the FB and hand the next tenant a fresh one (see Device.renew_fb). On an
+        OSError the VF has no FB any more, and the next renewal creates one."""
+        info = self._info.pop(vf.index, None)
+        if info is None:
+            fd = self.device.create_fb(vf.index, vf.fb)
+        else:
+            info.close()
+            fd = self.device.renew_fb(vf.index)
         self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
 
     async def kill_engine(self, vf: VF) -> None:
@@ -216,9 +238,14 @@ class Host:
     async def off_schedule(self, vf: VF) -> None:
         await asyncio.wrap_future(self.sched.remove(vf.index))
 
-    def _fault_from_sched(self, vf: int, reason: str, detail: str) -> None:
-        """Called on the scheduler thread: a VF hung or its engine died."""
+    def _fault_from_sched(self, vf: int | None, reason: str, detail: str) -> None:
+        """Called on the scheduler thread: a VF hung, its engine died, or (vf None) the
+        scheduler failed with no VF to blame: then the whole device is reset."""
         assert self.loop is not None
+        if vf is None:
+            coro = self.resetter.escalate(f"scheduler: {reason}: {detail}")
+            self.loop.call_soon_threadsafe(lambda: self.spawn(coro))
+            return
         self.loop.call_soon_threadsafe(
             lambda: self.spawn(self.resetter.flr(self.vfm[vf], reason, detail))
         )
@@ -229,8 +256,12 @@ class Host:
         async with self.lifecycle:
             if vf.state != S.UNAVAIL:
                 return
-            fd = self.device.create_fb(vf.index, vf.fb)
-            self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
+            try:
+                fd = self.device.create_fb(vf.index, vf.fb)
+                self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
+            except OSError as e:
+                self.vfm.send(vf, E.ENGINE_FAILED, f"no FB: {e}")
+                return
             await self.bring_up(vf, "enabled")
 
     async def disable(self, vf: VF) -> None:
@@ -239,14 +270,16 @@ class Host:
                 return
             if vf.conn is not None:
                 vf.conn.close()  # its session's end is a fini, which finds the VF gone
-            if vf.state not in (S.RESETTING, S.QUARANTINED, S.FAILED):
-                self.vfm.transition(vf, S.RESETTING, "disable")
+            if self.vfm.accepts(vf, E.DISABLE):  # from FULLACCESS: frees the init lock too
+                self.vfm.send(vf, E.DISABLE, "disable")
             await self.off_schedule(vf)
             await self.kill_engine(vf)
-            self.device.scrub(vf.index)
-            self._info.pop(vf.index).close()
-            self.device.destroy_fb(vf.index)
-            self.vfm.transition(vf, S.UNAVAIL, "disabled")
+            info = self._info.pop(vf.index, None)
+            if info is not None:  # none when a failed renewal left the VF without an FB
+                info.close()
+                self.device.scrub(vf.index)
+                self.device.destroy_fb(vf.index)
+            self.vfm.send(vf, E.DISABLED, "disabled")
 
     async def grant_fullaccess(self, vf: VF) -> bool:
         """FULLACCESS: the device to this VF alone. False if the VF changed while queued."""
@@ -256,7 +289,7 @@ class Host:
             self._fullaccess.release()
             return False
         self._fullaccess_vf = vf.index
-        self.vfm.transition(vf, S.FULLACCESS, "guest init")
+        self.vfm.send(vf, E.GUEST_INIT, "guest init")
         grant = self._grants[vf.index] = self._grants.get(vf.index, 0) + 1
         assert self.loop is not None
         self.loop.call_later(
@@ -279,16 +312,18 @@ class Host:
             self.spawn(self.resetter.flr(vf, "fullaccess_timeout"))
 
     async def activate(self, vf: VF, doorbell: int) -> None:
-        self.vfm.transition(vf, S.ACTIVE, "guest released init")
+        self.vfm.send(vf, E.GUEST_READY, "guest released init")
         self._grants[vf.index] = self._grants.get(vf.index, 0) + 1
-        await asyncio.wrap_future(self.sched.set_guest(vf.index, doorbell))
-        await asyncio.wrap_future(self.sched.set_exclusive(None))
-        self.release_fullaccess(vf)
+        try:
+            await asyncio.wrap_future(self.sched.set_guest(vf.index, doorbell))
+            await asyncio.wrap_future(self.sched.set_exclusive(None))
+        finally:  # the next VF's init may start only once this one no longer runs alone
+            self.release_fullaccess(vf)
         vf.vf2pf_bad, vf.untrusted, vf.vf2pf = 0, False, {}
         self.spawn(self._read_vf2pf(vf, vf.conn))
 
     async def suspend(self, vf: VF, reason: str) -> None:
-        self.vfm.transition(vf, S.SUSPEND, reason)
+        self.vfm.send(vf, E.GUEST_FINI, reason)
         await asyncio.wrap_future(self.sched.set_guest(vf.index, None))
 
     async def guest_gone(self, vf: VF) -> None:
@@ -303,16 +338,15 @@ class Host:
         async with self.lifecycle:
             if vf.state != S.SUSPEND:
                 return
-            await self.off_schedule(vf)
-            await self.kill_engine(vf)
-            self.renew_fb(vf)
             try:
+                await self.off_schedule(vf)
+                await self.kill_engine(vf)
+                self.renew_fb(vf)
                 await self.start_engine(vf)
-            except DeviceError as e:
-                self.vfm.transition(vf, S.RESETTING, f"engine did not restart after fini: {e}")
-                await self.resetter.device_reset(f"VF{vf.index}: {e}")
+            except (DeviceError, OSError) as e:
+                await self.resetter.device_reset(f"VF{vf.index} fini failed: {e}")
                 return
-            self.vfm.transition(vf, S.AVAIL, "fini: FB scrubbed")
+            self.vfm.send(vf, E.ENGINE_UP, "fini: FB scrubbed")
 
     async def clear_fb(self, vf: VF) -> None:
         async with self.lifecycle:
@@ -327,9 +361,7 @@ class Host:
 
     async def clear_guard(self, vf: VF) -> None:
         async with self.lifecycle:
-            self.resetter.clear_guard(vf)
-            if vf.state == S.QUARANTINED:
-                await self.bring_up(vf, "guard cleared")
+            await self.resetter.clear_guard(vf)
 
     # ---- shared info blocks ----------------------------------------------------------
 
