@@ -30,8 +30,9 @@ from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.errors import DeviceError
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.mailbox import Session
+from gpuvirt.host.policy import Policy
 from gpuvirt.host.reset import Resetter
-from gpuvirt.host.sched import Policy, Scheduler, raise_priority
+from gpuvirt.host.sched import Scheduler, raise_priority
 from gpuvirt.host.vfmgr import VF, Action, VFEvent, VFManager, VFState
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (

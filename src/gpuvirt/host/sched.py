@@ -1,25 +1,26 @@
-"""World-switch scheduler: time-slices the device between VFs.
+"""World-switch scheduler thread: time-slices the device between VFs.
 
 Runs in its own thread with the monotonic clock, so mailbox or admin traffic
 on the asyncio loop never delays a switch. The loop talks to it only through
 `Scheduler` methods, which queue an op and ring the scheduler's wake eventfd;
-results come back as concurrent futures.
+results come back as concurrent futures. What to run and when a slice ends is
+decided by host/policy.py from numbers this thread reads for it.
 
 A switch is IDLE(A) SAVE(A) LOAD(B) RUN(B) (device/base.py checks the order).
 Between switches the thread sleeps in epoll on: its wake fd, every engine's
 exit fd (an engine that dies is noticed at once), the running engine's idle
 fd (it drained its queue: liquid/weighted yield at once) and, for the
-work-conserving policies, the doorbells of the VFs not running (they have
-work now). It never polls an engine for anything but its status words.
+work-conserving policies, the doorbells of the VFs not running that have no
+work yet (they have work now). It never polls an engine for anything but its
+status words.
 
-Policies (GIM's names):
-  fairness     every enabled VF gets its slice, guest or not, work or not
-  round_robin  VFs with a guest, full slices
-  liquid       VFs with pending work; a VF with nothing pending yields at once
-  weighted     liquid, picking the VF with the least device time per weight
-
-A VF that overran its slice has the excess taken off its next slice, never
-below half a slice.
+Guests and engines are untrusted: a doorbell counts at most MAX_QUEUED launches
+ahead of the completions, a running kernel's identity changes only when a
+launch completed, its start time is never in the future, a VF's doorbell wakes
+the thread at most once between two of its slices and its engine's idle fd at
+most IDLE_WAKES_MAX times a slice. An exception on this thread faults the VF
+it was handling (reset by the host), or with none to blame resets the device;
+the thread goes on serving either way.
 """
 
 from __future__ import annotations
@@ -33,54 +34,40 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from gpuvirt.device.base import Engine, WSCommand
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
+from gpuvirt.host.policy import Account, Policy, Rules
+
+# A guest rings once per launch, and its channel holds far fewer launches than this.
+MAX_QUEUED = 1 << 16
+IDLE_WAKES_MAX = 4  # idle signals a running engine may send per slice
+ESCALATE_EVERY_NS = 1_000_000_000  # unblamed failures: at most one device reset a second
 
 
-class Policy(StrEnum):
-    FAIRNESS = "fairness"
-    ROUND_ROBIN = "round_robin"
-    LIQUID = "liquid"
-    WEIGHTED = "weighted"
-
-
-WORK_CONSERVING = frozenset({Policy.LIQUID, Policy.WEIGHTED})
-# weighted: a VF without work for less than this keeps the device time it is owed
-REJOIN_NS = 100_000_000
-
-
-@dataclass
-class Entry:
-    vf: int
-    engine: Engine
-    weight: float
+@dataclass(eq=False)
+class Entry(Account):
+    engine: Engine = field(default=None)  # type: ignore[assignment]
     doorbell: int | None = None  # eventfd the guest rings per submitted command
+    doorbell_watched: bool = False
     submitted: int = 0
-    device_ns: int = 0
-    vtime: float = 0.0
-    debt_ns: int = 0
-    run_start: int = 0
-    slice_ns: int = 0
     # device time at ref_mono: maps a wall instant inside the last run to device time
     ref_mono: int = 0
     ref_dev: int = 0
     kernel_seq: int = 0
     kernel_base: int = 0
-    faulted: bool = False
+    kernel_done: int = -1  # COMPLETED when the running kernel was first seen
     switches_in: int = 0
-    candidate: bool = False
-    left_at: int = 0  # when it last stopped being a candidate (weighted)
+    idle_wakes: int = 0
 
-    @property
-    def has_guest(self) -> bool:
-        return self.doorbell is not None
-
-    def pending(self) -> int:
-        return max(0, self.submitted - self.engine.status[Word.COMPLETED])
+    def read_pending(self) -> int:
+        """The launches queued and not completed, bounded (the counters are untrusted)."""
+        done = self.engine.status[Word.COMPLETED]
+        self.submitted = min(self.submitted, done + MAX_QUEUED)
+        self.pending = max(0, self.submitted - done)
+        return self.pending
 
     def device_now(self, now: int, running: bool) -> int:
         return self.device_ns + (now - self.run_start if running else 0)
@@ -92,6 +79,8 @@ class SchedStats:
     lost_ns: int = 0  # device time spent inside world switches
     idle_ns: int = 0  # no VF on the device
     switches: int = 0
+    wakeups: int = 0  # returns from epoll with something to handle
+    errors: int = 0  # exceptions contained on the scheduler thread
     latencies_ns: deque[int] = field(default_factory=lambda: deque(maxlen=100_000))
     # per world-switch command: durations in ns, for finding where a slow switch went
     commands_ns: dict[str, deque[int]] = field(
@@ -99,7 +88,8 @@ class SchedStats:
     )
 
 
-FaultHandler = Callable[[int, str, str], None]
+# (vf or None for the whole device, reason, detail); called on the scheduler thread
+FaultHandler = Callable[[int | None, str, str], None]
 
 
 class Scheduler:
@@ -114,6 +104,7 @@ class Scheduler:
     ) -> None:
         self.policy = Policy(policy)
         self.slice_ns = int(time_slice_ms * 1e6)
+        self.rules = Rules(self.policy, self.slice_ns)
         self.cmd_timeout = cmd_timeout_ms / 1000
         self.job_timeout_ns = int(job_timeout_s * 1e9)
         self.on_fault = on_fault
@@ -125,10 +116,16 @@ class Scheduler:
         self._ops: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sel = selectors.EpollSelector()
-        self._sel.register(self._wake, selectors.EVENT_READ, ("wake", None))
+        # Held by this thread while it changes `entries` or the selector, and by snapshot():
+        # readers on other threads never iterate a map that is changing under them.
+        self._lock = threading.Lock()
+        self._register(self._wake, "wake", None)
         self._exclusive_waiters: list[tuple[int, Future[None]]] = []
         self._stopping = False
         self._repick = True
+        self._slice_end = 0
+        self._culprit: Entry | None = None  # the VF being handled, blamed if this raises
+        self._escalated_at = -ESCALATE_EVERY_NS
         self._idle_since: int | None = time.monotonic_ns()
         self.priority = "not started"
         self._thread = threading.Thread(target=self._main, name="gpuvirt-sched", daemon=True)
@@ -141,6 +138,9 @@ class Scheduler:
     def stop(self) -> None:
         self._call(self._op_stop).result(timeout=10)
         self._thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def add(self, vf: int, engine: Engine, weight: float) -> Future[None]:
         return self._call(self._op_add, vf, engine, weight)
@@ -157,37 +157,43 @@ class Scheduler:
         return self._call(self._op_set_exclusive, vf)
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters for status and metrics; reads ints only, safe from any thread."""
-        now = time.monotonic_ns()
-        cur = self.current
-        vfs = {
-            e.vf: {
-                "device_ns": e.device_now(now, e is cur),
-                "switches_in": e.switches_in,
-                "running": e is cur,
-                "weight": e.weight,
-                "pending": e.pending() if e.has_guest else 0,
-                "submitted": e.submitted,
-                "received": e.engine.status[Word.RECEIVED],
-                "completed": e.engine.status[Word.COMPLETED],
-                "faulted": e.faulted,
-                "has_guest": e.has_guest,
-                "doorbell_fd": e.doorbell,
+        """Counters for status and metrics, safe from any thread."""
+        with self._lock:
+            now = time.monotonic_ns()
+            cur = self.current
+            vfs = {
+                e.vf: {
+                    "device_ns": e.device_now(now, e is cur),
+                    "switches_in": e.switches_in,
+                    "running": e is cur,
+                    "weight": e.weight,
+                    "pending": max(0, e.submitted - e.engine.status[Word.COMPLETED])
+                    if e.has_guest
+                    else 0,
+                    "submitted": e.submitted,
+                    "received": e.engine.status[Word.RECEIVED],
+                    "completed": e.engine.status[Word.COMPLETED],
+                    "faulted": e.faulted,
+                    "has_guest": e.has_guest,
+                    "doorbell_fd": e.doorbell,
+                }
+                for e in self.entries.values()
             }
-            for e in list(self.entries.values())
-        }
+            watching = {
+                str(k.fd): [k.data[0], k.data[1].vf if k.data[1] else None]
+                for k in self._sel.get_map().values()
+            }
         return {
             "policy": str(self.policy),
             "elapsed_ns": now - self.stats.started_ns,
             "lost_ns": self.stats.lost_ns,
             "idle_ns": self.stats.idle_ns,
             "switches": self.stats.switches,
+            "wakeups": self.stats.wakeups,
+            "errors": self.stats.errors,
             "current": cur.vf if cur else None,
             "vfs": vfs,
-            "watching": {
-                str(k.fd): [k.data[0], k.data[1].vf if k.data[1] else None]
-                for k in list(self._sel.get_map().values())
-            },
+            "watching": watching,
         }
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -202,39 +208,69 @@ class Scheduler:
         self.priority = raise_priority()
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)  # this thread only: beside the engines
-        slice_end = 0
         while not self._stopping:
-            now = time.monotonic_ns()
+            try:
+                self._step()
+            except Exception as exc:  # any bug or bad fd: contained, never the thread's end
+                self._contain(exc)
+
+    def _step(self) -> None:
+        now = time.monotonic_ns()
+        cur = self.current
+        if cur is not None:
+            self._culprit = cur
+            self._check_kernel(cur, now)
+            cur.read_pending()
+        ends = (
+            cur is None
+            or now >= self._slice_end
+            or self._yields(cur)
+            or self.rules.should_preempt(cur, self._accounts(), self.exclusive, now)
+        )
+        if self._repick or ends:
+            # An op (a VF added, removed, given a guest) changes who may run, but does
+            # not end the running VF's slice while it may still run.
+            self._repick = False
+            nxt = self._pick(keep=None if ends else cur)
+            if nxt is not cur:
+                self._switch(nxt)
+            elif cur is not None and ends:
+                t = time.monotonic_ns()
+                self._end_slice(cur, t)
+                self._begin_slice(cur, t)
             if self.current is not None:
-                self._check_kernel(self.current, now)
-            cur = self.current
-            ends = (
-                cur is None
-                or now >= slice_end
-                or self._should_yield(cur)
-                or self._should_preempt(cur, now)
-            )
-            if self._repick or ends:
-                # An op (a VF added, removed, given a guest) changes who may run, but does
-                # not end the running VF's slice while it may still run.
-                self._repick = False
-                nxt = self._pick(keep=None if ends else cur)
-                if nxt is not cur:
-                    self._switch(nxt)
-                elif cur is not None and ends:
-                    t = time.monotonic_ns()
-                    self._end_slice(cur, t)
-                    self._begin_slice(cur, t)
-                if self.current is not None:
-                    slice_end = self.current.run_start + self.current.slice_ns
-                self._resolve_exclusive()
-            self._arm_idle_notify()
-            timeout = None
-            if self.current is not None:
-                timeout = max(0.0, (slice_end - time.monotonic_ns()) / 1e9)
-            for key, _ in self._sel.select(timeout):
-                self._event(*key.data)
-            self._run_ops()
+                self._slice_end = self.current.run_start + self.current.slice_ns
+            self._resolve_exclusive()
+        self._arm_idle_notify()
+        self._culprit = None
+        timeout = None
+        if self.current is not None:
+            timeout = max(0.0, (self._slice_end - time.monotonic_ns()) / 1e9)
+        ready = self._sel.select(timeout)
+        if ready:
+            self.stats.wakeups += 1
+        for key, _ in ready:
+            self._culprit = key.data[1]
+            self._event(*key.data)
+        self._culprit = None
+        self._run_ops()
+
+    def _contain(self, exc: Exception) -> None:
+        """Blame the VF being handled (the host resets it) or, with none, the device."""
+        self.stats.errors += 1
+        e, self._culprit = self._culprit, None
+        self._repick = True
+        detail = f"{type(exc).__name__}: {exc}"
+        if e is not None and not e.faulted:
+            self._fault(e, "sched_error", detail)
+            return
+        now = time.monotonic_ns()
+        if now - self._escalated_at >= ESCALATE_EVERY_NS:
+            self._escalated_at = now
+            self.on_fault(None, "sched_error", detail)
+
+    def _accounts(self) -> list[Entry]:
+        return list(self.entries.values())
 
     def _event(self, kind: str, entry: Entry | None) -> None:
         if kind == "wake":
@@ -242,9 +278,16 @@ class Scheduler:
         elif kind == "idle":
             assert entry is not None
             _drain(entry.engine.idle_fd())
+            entry.idle_wakes += 1
+            if entry.idle_wakes >= IDLE_WAKES_MAX:  # a storm: not heard again this slice
+                self._unwatch_idle(entry)
         elif kind == "doorbell":
             assert entry is not None and entry.doorbell is not None
             entry.submitted += _drain(entry.doorbell)
+            if entry.read_pending() > 0:
+                # It has work: more rings change nothing until it has run.
+                self._unregister(entry.doorbell)
+                entry.doorbell_watched = False
         elif kind == "exit" and entry is not None and not entry.faulted:
             self._fault(entry, "engine_died", f"engine pid {entry.engine.pid} exited")
 
@@ -262,105 +305,43 @@ class Scheduler:
                 else:
                     self._exclusive_waiters.append((args[0], fut))
 
-    def _candidates(self) -> list[Entry]:
-        if self.exclusive is not None:
-            e = self.entries.get(self.exclusive)
-            return [e] if e is not None and not e.faulted else []
-        live = [e for e in self.entries.values() if not e.faulted]
-        if self.policy is Policy.FAIRNESS:
-            return live
-        with_guest = [e for e in live if e.has_guest]
-        if self.policy is Policy.ROUND_ROBIN:
-            return with_guest
-        for e in with_guest:
-            if e.doorbell is not None and e is not self.current:
-                e.submitted += _drain(e.doorbell)
-        return [e for e in with_guest if e.pending() > 0]
+    def _pick(self, keep: Entry | None) -> Entry | None:
+        for e in self.entries.values():
+            self._culprit = e
+            if self.rules.work_conserving and e.has_guest and e is not self.current:
+                self._take_doorbell(e)
+            e.read_pending()
+        self._culprit = None
+        nxt = self.rules.pick(self.entries, self.current, self.exclusive, time.monotonic_ns(), keep)
+        assert nxt is None or isinstance(nxt, Entry)
+        return nxt
 
-    def _pick(self, keep: Entry | None = None) -> Entry | None:
-        cands = self._candidates()
-        cur = self.current
-        if not cands:
-            # Work-conserving policies keep an idle VF on the device when nobody else wants
-            # it: its next launch runs without waiting for a switch.
-            if (
-                self.policy in WORK_CONSERVING
-                and cur is not None
-                and not cur.faulted
-                and cur.has_guest
-                and self.exclusive is None
-            ):
-                return cur
-            return None
-        if self.policy is Policy.WEIGHTED:
-            floor = min((e.vtime for e in cands if e.candidate), default=None)
-            now = time.monotonic_ns()
-            for e in self.entries.values():
-                if e in cands and not e.candidate and floor is not None:
-                    e.vtime = self._returning_vtime(e, floor, now)
-                if e.candidate and e not in cands:
-                    e.left_at = now
-                e.candidate = e in cands
-        if keep is not None and keep in cands:
-            return keep
-        if self.policy is Policy.WEIGHTED:
-            return min(cands, key=lambda e: (e.vtime, e.vf))
-        order = sorted(cands, key=lambda e: e.vf)
-        if cur is None:
-            return order[0]
-        after = [e for e in order if e.vf > cur.vf]
-        return after[0] if after else order[0]
-
-    def _should_yield(self, cur: Entry) -> bool:
-        if self.policy not in WORK_CONSERVING or self.exclusive is not None:
-            return False
-        if not cur.engine.status[Word.NOTIFY_IDLE]:
-            return False
-        return self._current_pending(cur) == 0
-
-    def _returning_vtime(self, e: Entry, floor: float, now: int) -> float:
-        """A VF back with work after a short gap (between two launches, even on a busy
-        host) keeps all its lag; after a real idle period it banks no credit."""
-        if now - e.left_at < REJOIN_NS:
-            return e.vtime
-        return max(e.vtime, floor)
-
-    def _current_pending(self, cur: Entry) -> int:
+    def _yields(self, cur: Entry) -> bool:
         """The running VF's doorbell is not watched (it would wake us per launch); read it
         before judging it idle, or a launch already queued behind the drained one is
         missed and the VF yields with work waiting."""
-        if cur.doorbell is not None:
-            cur.submitted += _drain(cur.doorbell)
-        return cur.pending()
-
-    def _should_preempt(self, cur: Entry, now: int) -> bool:
-        """weighted: a VF with work that is behind the running one by more than half a
-        slice of its own takes the device now (CFS-style wakeup preemption). Otherwise a
-        busy VF whose next launch lands just after a pick waits out a whole slice of a
-        VF ahead of it, and loses share at every gap between its kernels."""
-        if self.policy is not Policy.WEIGHTED or self.exclusive is not None:
+        if not self.rules.work_conserving or not cur.engine.status[Word.NOTIFY_IDLE]:
             return False
-        cur_v = cur.vtime + (now - cur.run_start) / cur.weight
-        for e in self.entries.values():
-            if e is cur or not e.has_guest or e.faulted or e.pending() == 0:
-                continue
-            v = e.vtime if e.candidate else self._returning_vtime(e, cur.vtime, now)
-            if v + self.slice_ns / (2 * e.weight) < cur_v:
-                return True
-        return False
+        self._take_doorbell(cur)
+        cur.read_pending()
+        return self.rules.should_yield(cur, self.exclusive)
+
+    def _take_doorbell(self, e: Entry) -> None:
+        if e.doorbell is not None:
+            e.submitted += _drain(e.doorbell)
 
     def _arm_idle_notify(self) -> None:
         """Ask the running engine to signal when it drains, only while someone waits."""
         cur = self.current
-        if cur is None or self.policy not in WORK_CONSERVING:
+        if cur is None or not self.rules.work_conserving:
             return
-        others = any(
-            e is not cur and e.has_guest and not e.faulted and e.pending() > 0
-            for e in self.entries.values()
-        )
+        self._culprit = cur
+        others = self.rules.others_waiting(cur, self._accounts())
         cur.engine.status[Word.NOTIFY_IDLE] = 1 if others else 0
-        if others and self._current_pending(cur) == 0:
-            os.eventfd_write(self._wake, 1)  # drained before the flag was up
+        if others:
+            self._take_doorbell(cur)
+            if cur.read_pending() == 0:
+                os.eventfd_write(self._wake, 1)  # drained before the flag was up
 
     def _cmd(self, e: Entry, cmd: WSCommand) -> None:
         took = e.engine.command(cmd, self.cmd_timeout)
@@ -372,6 +353,7 @@ class Scheduler:
         cur = self.current
         idle_error = run_error = None
         if cur is not None and (not cur.faulted or cur.engine.running):
+            self._culprit = cur
             try:
                 self._cmd(cur, WSCommand.IDLE_GPU)
                 if cur.engine.cooperative:
@@ -380,6 +362,7 @@ class Scheduler:
             except DeviceError as e:
                 idle_error = e
         if nxt is not None:
+            self._culprit = nxt
             try:
                 if nxt.engine.last == WSCommand.SAVE_GPU_STATE:
                     self._cmd(nxt, WSCommand.LOAD_GPU_STATE)
@@ -389,6 +372,7 @@ class Scheduler:
         t1 = time.monotonic_ns()
 
         if cur is not None:
+            self._culprit = cur
             self.current = None
             self._unwatch_idle(cur)
             self._end_slice(cur, t0)
@@ -403,6 +387,7 @@ class Scheduler:
                 self._fault(nxt, "run_failed", str(run_error))
             self._idle_since = time.monotonic_ns()
             return
+        self._culprit = nxt
         self._idle_since = None
         if cur is not None:
             self.stats.latencies_ns.append(t1 - t0)
@@ -411,25 +396,22 @@ class Scheduler:
         self.current = nxt
         nxt.switches_in += 1
         self._unwatch_doorbell(nxt)
-        self._watch_idle(nxt)
         self._begin_slice(nxt, t1)
 
     def _begin_slice(self, e: Entry, now: int) -> None:
-        e.run_start = now
         e.ref_mono, e.ref_dev = now, e.device_ns
-        # GIM's overrun rule: the excess comes off this slice, never below half a slice.
-        e.slice_ns = max(self.slice_ns - e.debt_ns, self.slice_ns // 2)
-        e.debt_ns = 0
+        self.rules.begin_slice(e, now)
+        e.idle_wakes = 0
+        self._watch_idle(e)
 
     def _end_slice(self, e: Entry, now: int) -> None:
-        ran = max(0, now - e.run_start)
-        e.device_ns += ran
-        e.vtime += ran / e.weight
-        e.debt_ns = max(0, ran - e.slice_ns)
+        self.rules.end_slice(e, now)
         self._check_kernel(e, now, running=False)
 
     def _check_kernel(self, e: Entry, now: int, running: bool = True) -> None:
-        """job_timeout counts a kernel's own device time, not wall time."""
+        """job_timeout counts a kernel's own device time, not wall time. The words are the
+        engine's (untrusted): a new kernel needs a completion since the last one began,
+        and a start time is clamped into the run it was seen in."""
         if e.faulted:
             return
         st = e.engine.status
@@ -437,9 +419,11 @@ class Scheduler:
         if seq == 0:
             e.kernel_seq = 0
             return
-        if seq != e.kernel_seq:
-            e.kernel_seq = seq
-            e.kernel_base = e.ref_dev + max(0, st[Word.CURRENT_START_NS] - e.ref_mono)
+        done = st[Word.COMPLETED]
+        if seq != e.kernel_seq and done != e.kernel_done:
+            e.kernel_seq, e.kernel_done = seq, done
+            start = min(max(0, st[Word.CURRENT_START_NS] - e.ref_mono), max(0, now - e.ref_mono))
+            e.kernel_base = e.ref_dev + start
         own = (e.device_ns + (now - e.run_start if running else 0)) - e.kernel_base
         if own > self.job_timeout_ns:
             self._fault(
@@ -449,14 +433,19 @@ class Scheduler:
             )  # fmt: skip
 
     def _fault(self, e: Entry, reason: str, detail: str) -> None:
-        """Stop scheduling a VF that hung or died and ask the host to reset it."""
+        """Stop scheduling a VF that hung, died or broke this thread; ask for its reset.
+        Each step is best effort: the fault may be in the very fd or engine it touches."""
         e.faulted = True
-        _unregister(self._sel, e.engine.exit_fd())  # level-triggered: would fire forever
-        self._unwatch_doorbell(e)
+        with contextlib.suppress(Exception):
+            self._unregister(e.engine.exit_fd())  # level-triggered: would fire forever
+        if e.doorbell is not None:
+            self._unregister(e.doorbell)
+            e.doorbell_watched = False
         if e is self.current:
-            self._unwatch_idle(e)
-            if e.engine.running and e.engine.alive():
-                with contextlib.suppress(DeviceError):
+            with contextlib.suppress(Exception):
+                self._unwatch_idle(e)
+            with contextlib.suppress(Exception):
+                if e.engine.running and e.engine.alive():
                     e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
             self.current = None
             self._idle_since = time.monotonic_ns()
@@ -473,54 +462,80 @@ class Scheduler:
 
     # ---- fd registration ---------------------------------------------------------------
 
+    def _register(self, fd: int, kind: str, e: Entry | None) -> None:
+        with self._lock:
+            self._sel.register(fd, selectors.EVENT_READ, (kind, e))
+
+    def _unregister(self, fd: int) -> None:
+        with self._lock, contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(fd)
+
     def _watch_idle(self, e: Entry) -> None:
-        if self.policy in WORK_CONSERVING:
-            self._sel.register(e.engine.idle_fd(), selectors.EVENT_READ, ("idle", e))
+        if self.rules.work_conserving:
+            with contextlib.suppress(KeyError):  # still watched: a slice kept
+                self._register(e.engine.idle_fd(), "idle", e)
 
     def _unwatch_idle(self, e: Entry) -> None:
-        if self.policy in WORK_CONSERVING:
-            _unregister(self._sel, e.engine.idle_fd())
+        if self.rules.work_conserving:
+            self._unregister(e.engine.idle_fd())
             e.engine.status[Word.NOTIFY_IDLE] = 0
 
     def _watch_doorbell(self, e: Entry) -> None:
-        if self.policy in WORK_CONSERVING and e.doorbell is not None and not e.faulted:
-            self._sel.register(e.doorbell, selectors.EVENT_READ, ("doorbell", e))
+        if self.rules.work_conserving and e.doorbell is not None and not e.faulted:
+            self._register(e.doorbell, "doorbell", e)
+            e.doorbell_watched = True
 
     def _unwatch_doorbell(self, e: Entry) -> None:
         if e.doorbell is not None:
-            _unregister(self._sel, e.doorbell)
-            e.submitted += _drain(e.doorbell)
+            if e.doorbell_watched:
+                self._unregister(e.doorbell)
+                e.doorbell_watched = False
+            self._take_doorbell(e)
 
     # ---- ops (run on the scheduler thread) ---------------------------------------------
 
     def _op_add(self, vf: int, engine: Engine, weight: float) -> None:
         live = [e.vtime for e in self.entries.values()]
-        e = Entry(vf, engine, weight, vtime=min(live, default=0.0))
-        self.entries[vf] = e
-        self._sel.register(engine.exit_fd(), selectors.EVENT_READ, ("exit", e))
+        e = Entry(vf, weight, engine=engine, vtime=min(live, default=0.0))
+        with self._lock:
+            self.entries[vf] = e
+        self._register(engine.exit_fd(), "exit", e)
 
     def _op_remove(self, vf: int) -> None:
-        e = self.entries.pop(vf, None)
+        e = self.entries.get(vf)
         if e is None:
             return
-        if e is self.current:
-            self._switch(None)
-        elif e.engine.running and e.engine.alive():
-            with contextlib.suppress(DeviceError):
-                e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
-        self._unwatch_doorbell(e)
-        _unregister(self._sel, e.engine.exit_fd())
-        if self.exclusive == vf:
-            self.exclusive = None
-        for v, fut in self._exclusive_waiters:
-            if v == vf:
-                fut.set_exception(DeviceError(f"VF{vf} left the schedule before it got the device"))
-        self._exclusive_waiters = [(v, f) for v, f in self._exclusive_waiters if v != vf]
+        try:
+            if e is self.current:
+                self._switch(None)
+            elif e.engine.running and e.engine.alive():
+                with contextlib.suppress(DeviceError):
+                    e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
+        finally:  # whatever failed above, the VF leaves the schedule
+            with self._lock:
+                self.entries.pop(vf, None)
+            if self.current is e:
+                self.current = None
+            if e.doorbell is not None:
+                self._unregister(e.doorbell)
+            self._unregister(e.engine.exit_fd())
+            self._unregister(e.engine.idle_fd())
+            if self.exclusive == vf:
+                self.exclusive = None
+            for v, fut in self._exclusive_waiters:
+                if v == vf:
+                    fut.set_exception(
+                        DeviceError(f"VF{vf} left the schedule before it got the device")
+                    )
+            self._exclusive_waiters = [(v, f) for v, f in self._exclusive_waiters if v != vf]
 
     def _op_set_guest(self, vf: int, doorbell: int | None) -> None:
-        e = self.entries[vf]
+        e = self.entries.get(vf)
+        if e is None:
+            return  # reset while the guest was initializing: the VF left the schedule
         self._unwatch_doorbell(e)
         e.doorbell = doorbell
+        e.has_guest = doorbell is not None
         e.submitted = e.engine.status[Word.COMPLETED]
         if e is not self.current:
             self._watch_doorbell(e)
