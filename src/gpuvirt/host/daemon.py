@@ -461,7 +461,7 @@ class Host:
             "state": str(vf.state),
             "fb_total": vf.fb,
             "fb_used": vf.vf2pf.get("fb_used", 0),
-            "fb_resident": self.device.fb_resident(vf.index) if vf.state != S.UNAVAIL else 0,
+            "fb_resident": self.device.fb_resident(vf.index) if vf.index in self._info else 0,
             "weight": vf.plan.weight,
             "configured_share": round(configured.get(vf.index, 0.0), 4),
             "achieved_share": round(achieved.get(vf.index, 0.0), 4),
