@@ -14,7 +14,8 @@ from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.device.status import Word
 from gpuvirt.host.policy import Policy
-from gpuvirt.host.sched import MAX_QUEUED, Scheduler
+from gpuvirt.host.sched import Scheduler
+from gpuvirt.host.sched_entry import MAX_QUEUED
 
 pytestmark = pytest.mark.timeout(120)
 FB = 4 << 20

@@ -96,7 +96,7 @@ class AdminServer:
         if method == "GET" and parts == ["metrics"]:
             from gpuvirt.host.metrics import render
 
-            data, ctype = render(self.host)
+            data, ctype = render(self.host.report, self.host.events)
             return HTTPStatus.OK, ctype, data
         return HTTPStatus.OK, "application/json", _json(await self._route(method, parts, query))
 

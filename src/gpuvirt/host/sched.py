@@ -27,65 +27,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from gpuvirt.device.base import Engine, WSCommand
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
-from gpuvirt.host.policy import Account, Policy, Rules
+from gpuvirt.host.policy import Policy, Rules
+from gpuvirt.host.priority import raise_priority
+from gpuvirt.host.sched_entry import Entry, SchedStats
+from gpuvirt.host.watch import Watches
 
-# A guest rings once per launch, and its channel holds far fewer launches than this.
-MAX_QUEUED = 1 << 16
 IDLE_WAKES_MAX = 4  # idle signals a running engine may send per slice
 ESCALATE_EVERY_NS = 1_000_000_000  # unblamed failures: at most one device reset a second
-
-
-@dataclass(eq=False)
-class Entry(Account):
-    engine: Engine = field(default=None)  # type: ignore[assignment]
-    doorbell: int | None = None  # eventfd the guest rings per submitted command
-    doorbell_watched: bool = False
-    submitted: int = 0
-    # device time at ref_mono: maps a wall instant inside the last run to device time
-    ref_mono: int = 0
-    ref_dev: int = 0
-    kernel_seq: int = 0
-    kernel_base: int = 0
-    kernel_done: int = -1  # COMPLETED when the running kernel was first seen
-    switches_in: int = 0
-    idle_wakes: int = 0
-
-    def read_pending(self) -> int:
-        """The launches queued and not completed, bounded (the counters are untrusted)."""
-        done = self.engine.status[Word.COMPLETED]
-        self.submitted = min(self.submitted, done + MAX_QUEUED)
-        self.pending = max(0, self.submitted - done)
-        return self.pending
-
-    def device_now(self, now: int, running: bool) -> int:
-        return self.device_ns + (now - self.run_start if running else 0)
-
-
-@dataclass
-class SchedStats:
-    started_ns: int = field(default_factory=time.monotonic_ns)
-    lost_ns: int = 0  # device time spent inside world switches
-    idle_ns: int = 0  # no VF on the device
-    switches: int = 0
-    wakeups: int = 0  # returns from epoll with something to handle
-    errors: int = 0  # exceptions contained on the scheduler thread
-    latencies_ns: deque[int] = field(default_factory=lambda: deque(maxlen=100_000))
-    # per world-switch command: durations in ns, for finding where a slow switch went
-    commands_ns: dict[str, deque[int]] = field(
-        default_factory=lambda: defaultdict(lambda: deque(maxlen=10_000))
-    )
 
 
 # (vf or None for the whole device, reason, detail); called on the scheduler thread
@@ -115,11 +73,8 @@ class Scheduler:
         self.stats = SchedStats()
         self._ops: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._sel = selectors.EpollSelector()
-        # Held by this thread while it changes `entries` or the selector, and by snapshot():
-        # readers on other threads never iterate a map that is changing under them.
-        self._lock = threading.Lock()
-        self._register(self._wake, "wake", None)
+        self._w = Watches(self.rules.work_conserving)
+        self._w.add(self._wake, "wake", None)
         self._exclusive_waiters: list[tuple[int, Future[None]]] = []
         self._stopping = False
         self._repick = True
@@ -158,31 +113,11 @@ class Scheduler:
 
     def snapshot(self) -> dict[str, Any]:
         """Counters for status and metrics, safe from any thread."""
-        with self._lock:
+        with self._w.lock:
             now = time.monotonic_ns()
             cur = self.current
-            vfs = {
-                e.vf: {
-                    "device_ns": e.device_now(now, e is cur),
-                    "switches_in": e.switches_in,
-                    "running": e is cur,
-                    "weight": e.weight,
-                    "pending": max(0, e.submitted - e.engine.status[Word.COMPLETED])
-                    if e.has_guest
-                    else 0,
-                    "submitted": e.submitted,
-                    "received": e.engine.status[Word.RECEIVED],
-                    "completed": e.engine.status[Word.COMPLETED],
-                    "faulted": e.faulted,
-                    "has_guest": e.has_guest,
-                    "doorbell_fd": e.doorbell,
-                }
-                for e in self.entries.values()
-            }
-            watching = {
-                str(k.fd): [k.data[0], k.data[1].vf if k.data[1] else None]
-                for k in self._sel.get_map().values()
-            }
+            vfs = {e.vf: e.row(now, e is cur) for e in self.entries.values()}
+            watching = self._w.describe()
         return {
             "policy": str(self.policy),
             "elapsed_ns": now - self.stats.started_ns,
@@ -246,7 +181,7 @@ class Scheduler:
         timeout = None
         if self.current is not None:
             timeout = max(0.0, (self._slice_end - time.monotonic_ns()) / 1e9)
-        ready = self._sel.select(timeout)
+        ready = self._w.select(timeout)
         if ready:
             self.stats.wakeups += 1
         for key, _ in ready:
@@ -280,14 +215,13 @@ class Scheduler:
             _drain(entry.engine.idle_fd())
             entry.idle_wakes += 1
             if entry.idle_wakes >= IDLE_WAKES_MAX:  # a storm: not heard again this slice
-                self._unwatch_idle(entry)
+                self._w.unidle(entry)
         elif kind == "doorbell":
             assert entry is not None and entry.doorbell is not None
             entry.submitted += _drain(entry.doorbell)
             if entry.read_pending() > 0:
                 # It has work: more rings change nothing until it has run.
-                self._unregister(entry.doorbell)
-                entry.doorbell_watched = False
+                self._w.undoorbell(entry)
         elif kind == "exit" and entry is not None and not entry.faulted:
             self._fault(entry, "engine_died", f"engine pid {entry.engine.pid} exited")
 
@@ -374,12 +308,12 @@ class Scheduler:
         if cur is not None:
             self._culprit = cur
             self.current = None
-            self._unwatch_idle(cur)
+            self._w.unidle(cur)
             self._end_slice(cur, t0)
             if idle_error is not None:
                 self._fault(cur, "idle_failed", str(idle_error))
             else:
-                self._watch_doorbell(cur)
+                self._w.doorbell(cur)
         elif self._idle_since is not None:
             self.stats.idle_ns += t0 - self._idle_since
         if nxt is None or run_error is not None:
@@ -402,48 +336,29 @@ class Scheduler:
         e.ref_mono, e.ref_dev = now, e.device_ns
         self.rules.begin_slice(e, now)
         e.idle_wakes = 0
-        self._watch_idle(e)
+        self._w.idle(e)
 
     def _end_slice(self, e: Entry, now: int) -> None:
         self.rules.end_slice(e, now)
         self._check_kernel(e, now, running=False)
 
     def _check_kernel(self, e: Entry, now: int, running: bool = True) -> None:
-        """job_timeout counts a kernel's own device time, not wall time. The words are the
-        engine's (untrusted): a new kernel needs a completion since the last one began,
-        and a start time is clamped into the run it was seen in."""
         if e.faulted:
             return
-        st = e.engine.status
-        seq = st[Word.CURRENT_SEQ]
-        if seq == 0:
-            e.kernel_seq = 0
-            return
-        done = st[Word.COMPLETED]
-        if seq != e.kernel_seq and done != e.kernel_done:
-            e.kernel_seq, e.kernel_done = seq, done
-            start = min(max(0, st[Word.CURRENT_START_NS] - e.ref_mono), max(0, now - e.ref_mono))
-            e.kernel_base = e.ref_dev + start
-        own = (e.device_ns + (now - e.run_start if running else 0)) - e.kernel_base
-        if own > self.job_timeout_ns:
-            self._fault(
-                e, "job_timeout",
-                f"kernel {seq} ran {own / 1e9:.2f} s of its own device time "
-                f"(job_timeout {self.job_timeout_ns / 1e9:g} s)",
-            )  # fmt: skip
+        overran = e.kernel_overrun(now, running, self.job_timeout_ns)
+        if overran is not None:
+            self._fault(e, "job_timeout", overran)
 
     def _fault(self, e: Entry, reason: str, detail: str) -> None:
         """Stop scheduling a VF that hung, died or broke this thread; ask for its reset.
         Each step is best effort: the fault may be in the very fd or engine it touches."""
         e.faulted = True
         with contextlib.suppress(Exception):
-            self._unregister(e.engine.exit_fd())  # level-triggered: would fire forever
-        if e.doorbell is not None:
-            self._unregister(e.doorbell)
-            e.doorbell_watched = False
+            self._w.discard(e.engine.exit_fd())  # level-triggered: would fire forever
+        self._w.undoorbell(e)
         if e is self.current:
             with contextlib.suppress(Exception):
-                self._unwatch_idle(e)
+                self._w.unidle(e)
             with contextlib.suppress(Exception):
                 if e.engine.running and e.engine.alive():
                     e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
@@ -460,46 +375,18 @@ class Scheduler:
                 fut.set_result(None)
         self._exclusive_waiters = [(v, f) for v, f in self._exclusive_waiters if v != cur.vf]
 
-    # ---- fd registration ---------------------------------------------------------------
-
-    def _register(self, fd: int, kind: str, e: Entry | None) -> None:
-        with self._lock:
-            self._sel.register(fd, selectors.EVENT_READ, (kind, e))
-
-    def _unregister(self, fd: int) -> None:
-        with self._lock, contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(fd)
-
-    def _watch_idle(self, e: Entry) -> None:
-        if self.rules.work_conserving:
-            with contextlib.suppress(KeyError):  # still watched: a slice kept
-                self._register(e.engine.idle_fd(), "idle", e)
-
-    def _unwatch_idle(self, e: Entry) -> None:
-        if self.rules.work_conserving:
-            self._unregister(e.engine.idle_fd())
-            e.engine.status[Word.NOTIFY_IDLE] = 0
-
-    def _watch_doorbell(self, e: Entry) -> None:
-        if self.rules.work_conserving and e.doorbell is not None and not e.faulted:
-            self._register(e.doorbell, "doorbell", e)
-            e.doorbell_watched = True
-
     def _unwatch_doorbell(self, e: Entry) -> None:
-        if e.doorbell is not None:
-            if e.doorbell_watched:
-                self._unregister(e.doorbell)
-                e.doorbell_watched = False
-            self._take_doorbell(e)
+        self._w.undoorbell(e)
+        self._take_doorbell(e)
 
     # ---- ops (run on the scheduler thread) ---------------------------------------------
 
     def _op_add(self, vf: int, engine: Engine, weight: float) -> None:
         live = [e.vtime for e in self.entries.values()]
         e = Entry(vf, weight, engine=engine, vtime=min(live, default=0.0))
-        with self._lock:
+        with self._w.lock:
             self.entries[vf] = e
-        self._register(engine.exit_fd(), "exit", e)
+        self._w.add(engine.exit_fd(), "exit", e)
 
     def _op_remove(self, vf: int) -> None:
         e = self.entries.get(vf)
@@ -512,14 +399,13 @@ class Scheduler:
                 with contextlib.suppress(DeviceError):
                     e.engine.command(WSCommand.IDLE_GPU, self.cmd_timeout)
         finally:  # whatever failed above, the VF leaves the schedule
-            with self._lock:
+            with self._w.lock:
                 self.entries.pop(vf, None)
             if self.current is e:
                 self.current = None
-            if e.doorbell is not None:
-                self._unregister(e.doorbell)
-            self._unregister(e.engine.exit_fd())
-            self._unregister(e.engine.idle_fd())
+            self._w.undoorbell(e)
+            self._w.discard(e.engine.exit_fd())
+            self._w.discard(e.engine.idle_fd())
             if self.exclusive == vf:
                 self.exclusive = None
             for v, fut in self._exclusive_waiters:
@@ -538,7 +424,7 @@ class Scheduler:
         e.has_guest = doorbell is not None
         e.submitted = e.engine.status[Word.COMPLETED]
         if e is not self.current:
-            self._watch_doorbell(e)
+            self._w.doorbell(e)
 
     def _op_set_exclusive(self, vf: int | None) -> object:
         self.exclusive = vf
@@ -553,29 +439,6 @@ class Scheduler:
 
 
 _DEFERRED = object()
-RT_PRIORITY = 10
-
-
-def raise_priority(priority: int = RT_PRIORITY) -> str:
-    """Put the calling thread ahead of the engines and guests it must preempt.
-
-    Engines are CPU-bound; at normal priority the thread that must stop one can
-    itself be preempted by the one it just continued and lose milliseconds. A
-    SCHED_FIFO thread is never preempted by them. RESET_ON_FORK keeps the
-    processes the host spawns (engines) at normal priority. Without the
-    privilege, a lower nice value; without that, say so (latency will show it).
-    """
-    try:
-        policy = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
-        os.sched_setscheduler(0, policy, os.sched_param(priority))
-        return f"SCHED_FIFO {priority}"
-    except (PermissionError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
-        return "nice -10"
-    except (PermissionError, OSError):
-        return "normal priority (no CAP_SYS_NICE): world-switch latency will suffer"
 
 
 def _drain(fd: int) -> int:
@@ -583,8 +446,3 @@ def _drain(fd: int) -> int:
         return os.eventfd_read(fd)
     except BlockingIOError:
         return 0
-
-
-def _unregister(sel: selectors.BaseSelector, fd: int) -> None:
-    with contextlib.suppress(KeyError, ValueError):
-        sel.unregister(fd)
