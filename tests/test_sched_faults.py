@@ -14,7 +14,7 @@ from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.device.status import Word
 from gpuvirt.host.policy import Policy
-from gpuvirt.host.sched import Scheduler
+from gpuvirt.host.sched import IDLE_WAKES_MAX, Scheduler
 from gpuvirt.host.sched_entry import MAX_QUEUED
 
 pytestmark = pytest.mark.timeout(120)
@@ -163,3 +163,23 @@ def test_an_engine_faking_its_running_kernel_still_hits_job_timeout(rig) -> None
         assert seq < 50_000_000, "job_timeout never tripped"
     (vf, reason, _detail), *_ = r.faults.seen
     assert (vf, reason) == (0, "job_timeout")
+
+
+def test_an_idle_signal_storm_wakes_the_thread_a_bounded_number_of_times_a_slice(rig) -> None:
+    r = rig("liquid", 2)
+    bells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2)]
+    for vf, fd in enumerate(bells):
+        r.sched.set_guest(vf, fd).result(10)
+        os.eventfd_write(fd, 1)  # one launch each that never completes: both stay busy
+    until(lambda: r.sched.snapshot()["current"] is not None)
+    before = r.sched.snapshot()
+    for _ in range(20_000):  # the engine's "my queue drained" eventfd, written as it can
+        for e in r.engines:
+            os.eventfd_write(e.idle_fd(), 1)
+    after = r.sched.snapshot()
+    woke = after["wakeups"] - before["wakeups"]
+    slices = after["switches"] - before["switches"] + 1
+    assert woke <= (IDLE_WAKES_MAX + 2) * slices + 10, (woke, slices)
+    for vf, fd in enumerate(bells):
+        r.sched.set_guest(vf, None).result(10)
+        os.close(fd)
