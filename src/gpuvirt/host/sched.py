@@ -147,7 +147,8 @@ class Scheduler:
             try:
                 self._step()
             except Exception as exc:  # any bug or bad fd: contained, never the thread's end
-                self._contain(exc)
+                with contextlib.suppress(Exception):  # only when the host's loop is gone
+                    self._contain(exc)
 
     def _step(self) -> None:
         now = time.monotonic_ns()
@@ -196,6 +197,12 @@ class Scheduler:
         e, self._culprit = self._culprit, None
         self._repick = True
         detail = f"{type(exc).__name__}: {exc}"
+        # A switch cut short may have left an engine running that is not `current`.
+        for other in self._accounts():
+            if other is not self.current and other.engine.running and other.engine.alive():
+                with contextlib.suppress(Exception):
+                    self._cmd(other, WSCommand.IDLE_GPU)
+                    self._cmd(other, WSCommand.SAVE_GPU_STATE)
         if e is not None and not e.faulted:
             self._fault(e, "sched_error", detail)
             return
