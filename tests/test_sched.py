@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -15,6 +16,7 @@ from gpuvirt.bench.workers import Workers, busy_guest, record
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.errors import StateError
+from gpuvirt.host.sched_entry import MAX_QUEUED
 from helpers import MakeHost
 
 pytestmark = pytest.mark.timeout(180)
@@ -120,3 +122,22 @@ def test_world_switch_commands_only_in_gims_order() -> None:
     finally:
         engine.kill()
         dev.close()
+
+
+def test_a_guest_flooding_its_doorbell_cannot_make_the_scheduler_spin(make_host: MakeHost) -> None:
+    hp = make_host(scheduler={"policy": "liquid"})
+    with Workers() as w:
+        w.start(busy_guest, str(hp.socket), 0, hp.token(0), 0.02)
+        w.wait_ready()
+        with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as liar:
+            bell = liar._queue.doorbell  # the eventfd every guest is handed
+            a = hp.admin.request("GET", "/sched")
+            os.eventfd_write(bell, 1 << 62)
+            for _ in range(50_000):
+                os.eventfd_write(bell, 1)
+            b = hp.admin.request("GET", "/sched")
+        (busy,) = w.stop()
+    woke, switched = b["wakeups"] - a["wakeups"], b["switches"] - a["switches"]
+    assert woke <= 3 * switched + 50, (woke, switched)
+    assert b["vfs"]["1"]["pending"] <= MAX_QUEUED
+    assert busy.errors == [] and busy.launches > 0
