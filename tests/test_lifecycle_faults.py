@@ -7,46 +7,20 @@ import json
 import os
 import resource
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 import gpuvirt
-from gpuvirt.protocol.mailbox import FRAME_SIZE, Attach, Frame, GuestMsg, HostMsg
-from helpers import MakeHost, last_seq, wait_event
+from helpers import MakeHost, hold_fullaccess, last_seq, wait_event
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _recv_frame(s: socket.socket) -> Frame:
-    data = b""
-    while len(data) < FRAME_SIZE:
-        chunk, anc, _f, _a = s.recvmsg(FRAME_SIZE - len(data), socket.CMSG_SPACE(16))
-        for _lvl, _kind, raw in anc:
-            for i in range(0, len(raw) - len(raw) % 4, 4):
-                os.close(int.from_bytes(raw[i : i + 4], "little"))
-        assert chunk, "host closed the connection"
-        data += chunk
-    return Frame.decode(data)
-
-
-def _hold_fullaccess(hp, vf: int) -> socket.socket:
-    """A raw guest that asks for init access and then never releases it."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(20)
-    s.connect(str(hp.socket))
-    s.sendall(Attach(vf=vf, token=bytes.fromhex(hp.token(vf))).encode())
-    assert _recv_frame(s).msg == HostMsg.SUCCESS
-    s.sendall(Frame(GuestMsg.REQ_GPU_INIT_ACCESS).encode())
-    assert _recv_frame(s).msg == HostMsg.READY_TO_ACCESS_GPU
-    return s
-
-
 def test_disable_during_fullaccess_lets_the_next_init_proceed(make_host: MakeHost) -> None:
     hp = make_host(scheduler={"fullaccess_timeout_ms": 120_000})
-    s = _hold_fullaccess(hp, 0)
+    s = hold_fullaccess(hp, 0)
     assert hp.admin.vf(0)["state"] == "FULLACCESS"
     assert hp.admin.vf(0, "disable")["state"] == "UNAVAIL"
     # GIM grants init access to one VF at a time: VF1's init waits on VF0's, which the
