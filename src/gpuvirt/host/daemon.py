@@ -345,8 +345,8 @@ class Host:
                 await self.kill_engine(vf)
                 self.renew_fb(vf)
                 await self.start_engine(vf)
-            except (DeviceError, OSError) as e:
-                await self.resetter.device_reset(f"VF{vf.index} fini failed: {e}")
+            except Exception as e:  # whatever failed, the VF must not stay SUSPEND
+                await self.resetter.device_reset(f"VF{vf.index} fini failed: {e!r}")
                 return
             self.vfm.send(vf, E.ENGINE_UP, "fini: FB scrubbed")
 
