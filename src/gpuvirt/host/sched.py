@@ -7,12 +7,9 @@ results come back as concurrent futures. What to run and when a slice ends is
 decided by host/policy.py from numbers this thread reads for it.
 
 A switch is IDLE(A) SAVE(A) LOAD(B) RUN(B) (device/base.py checks the order).
-Between switches the thread sleeps in epoll on: its wake fd, every engine's
-exit fd (an engine that dies is noticed at once), the running engine's idle
-fd (it drained its queue: liquid/weighted yield at once) and, for the
-work-conserving policies, the doorbells of the VFs not running that have no
-work yet (they have work now). It never polls an engine for anything but its
-status words.
+Between switches the thread sleeps in epoll (host/watch.py) on its wake fd,
+every engine's exit fd, the running engine's idle fd and, for the
+work-conserving policies, the doorbells of waiting VFs with no work yet.
 
 Guests and engines are untrusted: a doorbell counts at most MAX_QUEUED launches
 ahead of the completions, a running kernel's identity changes only when a
