@@ -114,3 +114,32 @@ def test_a_kernel_faking_its_status_words_still_hits_job_timeout(make_host: Make
         assert (start["vf"], start["data"]["reason"]) == (0, "job_timeout")
         gpu.wait_ready()
         assert gpu.launch(lambda xp: 8).result(10) == 8
+
+
+def test_emfile_in_engine_start_is_retried_and_ends_in_a_legal_state(make_host: MakeHost) -> None:
+    hp = make_host()
+    engine = hp.admin.vf(0)["engine_pid"]
+    top = max(int(fd.name) for fd in Path(f"/proc/{hp.pid}/fd").iterdir())
+    limits = resource.prlimit(hp.pid, resource.RLIMIT_NOFILE)
+    # No fd above those open now: after the kill, the FLR gets only the few the dead
+    # engine left, enough to renew the FB but not to spawn an engine and its spare.
+    resource.prlimit(hp.pid, resource.RLIMIT_NOFILE, (top + 1, limits[1]))
+    try:
+        os.kill(engine, signal.SIGKILL)
+        _wait_logged(_events_file(hp), lambda e: e["kind"] == "engine.start_error")
+        done = _wait_logged(
+            _events_file(hp), lambda e: e["kind"] in ("flr.done", "device_reset.done")
+        )
+    finally:
+        resource.prlimit(hp.pid, resource.RLIMIT_NOFILE, limits)
+    assert hp.alive()
+    states = {v["index"]: v["state"] for v in hp.status()["vfs"]}
+    assert set(states.values()) <= {"AVAIL", "FAILED"}, (done["kind"], states)
+    tries = [e["data"]["attempt"] for e in hp.admin.events() if e["kind"] == "engine.start_error"]
+    assert tries[:1] == [1] and max(tries) <= 3
+    for vf, state in states.items():  # an admin brings back whatever failed
+        if state == "FAILED":
+            hp.admin.vf(vf, "disable")
+            assert hp.admin.vf(vf, "enable")["state"] == "AVAIL"
+    with gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu:
+        assert gpu.launch(lambda xp: 7).result(10) == 7
