@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gpuvirt.host.process import HostProcess
+from gpuvirt.protocol.mailbox import FRAME_SIZE, Attach, Frame, GuestMsg, HostMsg
 
 MakeHost = Callable[..., HostProcess]
 
@@ -60,3 +63,27 @@ def fb_fds(pid: int) -> list[str]:
         if target.startswith("/memfd:"):
             out.append(target)
     return out
+
+
+def _recv_frame(s: socket.socket) -> Frame:
+    data = b""
+    while len(data) < FRAME_SIZE:
+        chunk, anc, _f, _a = s.recvmsg(FRAME_SIZE - len(data), socket.CMSG_SPACE(16))
+        for _lvl, _kind, raw in anc:
+            for i in range(0, len(raw) - len(raw) % 4, 4):
+                os.close(int.from_bytes(raw[i : i + 4], "little"))
+        assert chunk, "host closed the connection"
+        data += chunk
+    return Frame.decode(data)
+
+
+def hold_fullaccess(hp: HostProcess, vf: int) -> socket.socket:
+    """A raw guest that asks for init access and then never releases it."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(20)
+    s.connect(str(hp.socket))
+    s.sendall(Attach(vf=vf, token=bytes.fromhex(hp.token(vf))).encode())
+    assert _recv_frame(s).msg == HostMsg.SUCCESS
+    s.sendall(Frame(GuestMsg.REQ_GPU_INIT_ACCESS).encode())
+    assert _recv_frame(s).msg == HostMsg.READY_TO_ACCESS_GPU
+    return s

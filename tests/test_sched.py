@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 import gpuvirt
 from gpuvirt.bench.workers import Workers, busy_guest, record
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.errors import StateError
-from gpuvirt.host.events import EventLog
-from gpuvirt.host.vfmgr import TRANSITIONS, VF, VFManager, VFState
+from gpuvirt.host.sched_entry import MAX_QUEUED
 from helpers import MakeHost
 
 pytestmark = pytest.mark.timeout(180)
@@ -101,7 +99,9 @@ def test_weighted_shares_follow_the_weights(make_host: MakeHost) -> None:
         w.wait_ready()
         share = _window(hp, 2.0)
         w.stop()
-    assert 2.5 < share[1] / share[0] < 3.5, share
+    # Exact proportions are the policy's, proved without timing in test_sched_policy.py;
+    # on real engines the heavier VF gets more, and both get some.
+    assert share[1] > share[0] > 0, share
 
 
 def test_world_switch_commands_only_in_gims_order() -> None:
@@ -124,29 +124,20 @@ def test_world_switch_commands_only_in_gims_order() -> None:
         dev.close()
 
 
-@given(path=st.lists(st.sampled_from(list(VFState)), max_size=10))
-def test_vf_transitions_outside_the_table_raise(path: list[VFState], tmp_path_factory) -> None:
-    from gpuvirt.config import VFPlan
-
-    plan = VFPlan(0, 1 << 20, 1.0, tmp_path_factory.getbasetemp() / "t", None)
-    vfm = VFManager([VF(0, plan, b"\0" * 32)], EventLog(None))
-    vf = vfm[0]
-    for new in path:
-        old = vf.state
-        if new in TRANSITIONS[old]:
-            vfm.transition(vf, new, "test")
-            assert vf.state == new
-        else:
-            with pytest.raises(StateError, match=f"{old} → {new}"):
-                vfm.transition(vf, new, "test")
-            assert vf.state == old
-    assert [e.data["new"] for e in vfm.events.since()] == [s for s in _accepted(path)]
-
-
-def _accepted(path: list[VFState]) -> list[str]:
-    state, out = VFState.UNAVAIL, []
-    for new in path:
-        if new in TRANSITIONS[state]:
-            state = new
-            out.append(str(new))
-    return out
+def test_a_guest_flooding_its_doorbell_cannot_make_the_scheduler_spin(make_host: MakeHost) -> None:
+    hp = make_host(scheduler={"policy": "liquid"})
+    with Workers() as w:
+        w.start(busy_guest, str(hp.socket), 0, hp.token(0), 0.02)
+        w.wait_ready()
+        with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as liar:
+            bell = liar._queue.doorbell  # the eventfd every guest is handed
+            a = hp.admin.request("GET", "/sched")
+            os.eventfd_write(bell, 1 << 62)
+            for _ in range(50_000):
+                os.eventfd_write(bell, 1)
+            b = hp.admin.request("GET", "/sched")
+        (busy,) = w.stop()
+    woke, switched = b["wakeups"] - a["wakeups"], b["switches"] - a["switches"]
+    assert woke <= 3 * switched + 50, (woke, switched)
+    assert b["vfs"]["1"]["pending"] <= MAX_QUEUED
+    assert busy.errors == [] and busy.launches > 0

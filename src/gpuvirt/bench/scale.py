@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gpuvirt.bench.common import Result, Target, scratch_host
 from gpuvirt.bench.sched import busy_window
-from gpuvirt.host.daemon import rss_bytes
+from gpuvirt.host.status import rss_bytes
 
 VFS = 31
 MiB = 1 << 20

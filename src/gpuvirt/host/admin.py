@@ -99,7 +99,7 @@ class AdminServer:
         if method == "GET" and parts == ["metrics"]:
             from gpuvirt.host.metrics import render
 
-            data, ctype = render(self.host)
+            data, ctype = render(self.host.report, self.host.events)
             return HTTPStatus.OK, ctype, data
         body = await _read_body(reader, head)
         result = await self._route(method, parts, query, body)

@@ -18,7 +18,6 @@ import socket
 import sys
 import time
 import uuid
-from collections import deque
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,11 @@ from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.errors import DeviceError
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.mailbox import Session
+from gpuvirt.host.policy import Policy
 from gpuvirt.host.reset import Resetter
-from gpuvirt.host.sched import Policy, Scheduler, raise_priority
-from gpuvirt.host.vfmgr import VF, VFManager, VFState
+from gpuvirt.host.sched import Scheduler, raise_priority
+from gpuvirt.host.status import StatusReport
+from gpuvirt.host.vfmgr import VF, Action, VFEvent, VFManager, VFState
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (
     BLOCK_SIZE,
@@ -43,11 +44,10 @@ from gpuvirt.protocol.info import (
     VF2PF_OFFSET,
 )
 
-S = VFState
+S, E = VFState, VFEvent
+ENGINE_START_TRIES = 3  # an OSError (EMFILE, fork failure) may clear; then the VF fails
 SWITCH_INTERVAL_S = 0.0002
 LOOP_PRIORITY = 5  # below the scheduler thread's (sched.RT_PRIORITY)
-PAGE = os.sysconf("SC_PAGE_SIZE")
-SHARE_WINDOW = 5  # samples (1 s apart) behind the achieved share
 
 
 class Host:
@@ -62,7 +62,9 @@ class Host:
         self.fb_total = config.effective_fb_total(self.device.total_fb(config.sriov.vf_num))
         plans = config.vf_layout(self.fb_total)
         self.vfm = VFManager(
-            [VF(p.index, p, load_or_create_token(p.token_file)) for p in plans], self.events
+            [VF(p.index, p, load_or_create_token(p.token_file)) for p in plans],
+            self.events,
+            {Action.RELEASE_FULLACCESS: self.release_fullaccess},
         )
         sc = config.scheduler
         self.sched = Scheduler(
@@ -70,11 +72,13 @@ class Host:
             self._fault_from_sched, self.device.exec_cpus, sc.coop_idle_timeout_ms,
         )  # fmt: skip
         self.lifecycle = asyncio.Lock()
-        self.resetter = Resetter(self)
+        self.resetter = Resetter(self.vfm, self.events, self, config.reset, self.lifecycle)
         self.liveness = (C.LIVENESS_INTERVAL_S, C.LIVENESS_TIMEOUT_S)
+        self.report = StatusReport(
+            config, self.vfm, self.sched, self.device, self.resetter.guard,
+            lambda index: index in self._info,
+        )  # fmt: skip
         self.uuids = {vf.index: uuid.uuid4().bytes for vf in self.vfm.vfs}
-        self.started = time.time()
-        self.samples: deque[dict[str, Any]] = deque(maxlen=SHARE_WINDOW + 1)
         self._info: dict[int, mmap.mmap] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._grants: dict[int, int] = {}
@@ -109,7 +113,8 @@ class Host:
         self._servers.append(self._listen_mailbox())
         self.admin = AdminServer(self)
         await self.admin.start()
-        self.spawn(self._sample_shares())
+        self.report.admin_where = self.admin.where
+        self.spawn(self.report.sample_shares())
         self.events.emit(
             Category.HOST, "ready",
             f"mailbox {self.socket_path}, admin {self.admin.where}, scheduler thread at "
@@ -182,13 +187,26 @@ class Host:
     # ---- engines and the schedule ----------------------------------------------------
 
     async def start_engine(self, vf: VF) -> None:
-        """A fresh engine for the VF, INIT_GPU done, on the schedule."""
-        engine = self.device.new_engine(EngineSpec(vf.index, vf.fb))
+        """A fresh engine for the VF, INIT_GPU done, on the schedule; DeviceError if none
+        starts (an OSError is retried a bounded number of times first)."""
+        for attempt in range(ENGINE_START_TRIES):
+            try:
+                engine = self.device.new_engine(EngineSpec(vf.index, vf.fb))
+                break
+            except OSError as e:
+                self.events.emit(
+                    Category.RESET, "engine.start_error",
+                    f"engine for VF{vf.index} did not spawn (try {attempt + 1}): {e}",
+                    vf.index, error=str(e), attempt=attempt + 1,
+                )  # fmt: skip
+                if attempt + 1 == ENGINE_START_TRIES:
+                    raise DeviceError(f"VF{vf.index}: no engine could be started: {e}") from e
+                await asyncio.sleep(0.05 * 2**attempt)  # back off: fds or pids may free up
         try:
             await asyncio.to_thread(engine.command, WSCommand.INIT_GPU, C.ENGINE_START_TIMEOUT_S)
-        except DeviceError:
+        except (DeviceError, OSError) as e:
             await asyncio.to_thread(engine.kill)
-            raise
+            raise DeviceError(f"VF{vf.index}: engine did not initialize: {e}") from e
         with contextlib.suppress(OSError):  # without CAP_SYS_NICE it stays at its start nice
             os.setpriority(os.PRIO_PROCESS, engine.pid, 0)
         vf.engine = engine
@@ -196,18 +214,24 @@ class Host:
 
     async def bring_up(self, vf: VF, reason: str) -> bool:
         """A fresh engine, then AVAIL; FAILED when the engine does not start."""
+        up = E.ENABLED if vf.state == S.UNAVAIL else E.ENGINE_UP
         try:
             await self.start_engine(vf)
         except DeviceError as e:
-            self.vfm.transition(vf, S.FAILED, f"engine did not start: {e}")
+            self.vfm.send(vf, E.ENGINE_FAILED, f"engine did not start: {e}")
             return False
-        self.vfm.transition(vf, S.AVAIL, reason)
+        self.vfm.send(vf, up, reason)
         return True
 
     def renew_fb(self, vf: VF, size: int | None = None) -> None:
-        """Scrub the FB and hand the next tenant a fresh one (see Device.renew_fb)."""
-        self._info.pop(vf.index).close()
-        fd = self.device.renew_fb(vf.index, size)
+        """Scrub the FB and hand the next tenant a fresh one (see Device.renew_fb). On an
+        OSError the VF has no FB any more, and the next renewal creates one."""
+        info = self._info.pop(vf.index, None)
+        if info is None:
+            fd = self.device.create_fb(vf.index, vf.fb if size is None else size)
+        else:
+            info.close()
+            fd = self.device.renew_fb(vf.index, size)
         self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
 
     async def kill_engine(self, vf: VF) -> None:
@@ -218,9 +242,14 @@ class Host:
     async def off_schedule(self, vf: VF) -> None:
         await asyncio.wrap_future(self.sched.remove(vf.index))
 
-    def _fault_from_sched(self, vf: int, reason: str, detail: str) -> None:
-        """Called on the scheduler thread: a VF hung or its engine died."""
+    def _fault_from_sched(self, vf: int | None, reason: str, detail: str) -> None:
+        """Called on the scheduler thread: a VF hung, its engine died, or (vf None) the
+        scheduler failed with no VF to blame: then the whole device is reset."""
         assert self.loop is not None
+        if vf is None:
+            coro = self.resetter.escalate(f"scheduler: {reason}: {detail}")
+            self.loop.call_soon_threadsafe(lambda: self.spawn(coro))
+            return
         self.loop.call_soon_threadsafe(
             lambda: self.spawn(self.resetter.flr(self.vfm[vf], reason, detail))
         )
@@ -231,8 +260,12 @@ class Host:
         async with self.lifecycle:
             if vf.state != S.UNAVAIL:
                 return
-            fd = self.device.create_fb(vf.index, vf.fb)
-            self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
+            try:
+                fd = self.device.create_fb(vf.index, vf.fb)
+                self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
+            except OSError as e:
+                self.vfm.send(vf, E.ENGINE_FAILED, f"no FB: {e}")
+                return
             await self.bring_up(vf, "enabled")
 
     async def disable(self, vf: VF) -> None:
@@ -241,14 +274,16 @@ class Host:
                 return
             if vf.conn is not None:
                 vf.conn.close()  # its session's end is a fini, which finds the VF gone
-            if vf.state not in (S.RESETTING, S.QUARANTINED, S.FAILED):
-                self.vfm.transition(vf, S.RESETTING, "disable")
+            if self.vfm.accepts(vf, E.DISABLE):  # from FULLACCESS: frees the init lock too
+                self.vfm.send(vf, E.DISABLE, "disable")
             await self.off_schedule(vf)
             await self.kill_engine(vf)
-            self.device.scrub(vf.index)
-            self._info.pop(vf.index).close()
-            self.device.destroy_fb(vf.index)
-            self.vfm.transition(vf, S.UNAVAIL, "disabled")
+            info = self._info.pop(vf.index, None)
+            if info is not None:  # none when a failed renewal left the VF without an FB
+                info.close()
+                self.device.scrub(vf.index)
+                self.device.destroy_fb(vf.index)
+            self.vfm.send(vf, E.DISABLED, "disabled")
 
     async def grant_fullaccess(self, vf: VF) -> bool:
         """FULLACCESS: the device to this VF alone. False if the VF changed while queued."""
@@ -258,7 +293,7 @@ class Host:
             self._fullaccess.release()
             return False
         self._fullaccess_vf = vf.index
-        self.vfm.transition(vf, S.FULLACCESS, "guest init")
+        self.vfm.send(vf, E.GUEST_INIT, "guest init")
         grant = self._grants[vf.index] = self._grants.get(vf.index, 0) + 1
         assert self.loop is not None
         self.loop.call_later(
@@ -281,16 +316,18 @@ class Host:
             self.spawn(self.resetter.flr(vf, "fullaccess_timeout"))
 
     async def activate(self, vf: VF, doorbell: int) -> None:
-        self.vfm.transition(vf, S.ACTIVE, "guest released init")
+        self.vfm.send(vf, E.GUEST_READY, "guest released init")
         self._grants[vf.index] = self._grants.get(vf.index, 0) + 1
-        await asyncio.wrap_future(self.sched.set_guest(vf.index, doorbell))
-        await asyncio.wrap_future(self.sched.set_exclusive(None))
-        self.release_fullaccess(vf)
+        try:
+            await asyncio.wrap_future(self.sched.set_guest(vf.index, doorbell))
+            await asyncio.wrap_future(self.sched.set_exclusive(None))
+        finally:  # the next VF's init may start only once this one no longer runs alone
+            self.release_fullaccess(vf)
         vf.vf2pf_bad, vf.untrusted, vf.vf2pf = 0, False, {}
         self.spawn(self._read_vf2pf(vf, vf.conn))
 
     async def suspend(self, vf: VF, reason: str) -> None:
-        self.vfm.transition(vf, S.SUSPEND, reason)
+        self.vfm.send(vf, E.GUEST_FINI, reason)
         await asyncio.wrap_future(self.sched.set_guest(vf.index, None))
 
     async def guest_gone(self, vf: VF) -> None:
@@ -305,16 +342,15 @@ class Host:
         async with self.lifecycle:
             if vf.state != S.SUSPEND:
                 return
-            await self.off_schedule(vf)
-            await self.kill_engine(vf)
-            self.renew_fb(vf)
             try:
+                await self.off_schedule(vf)
+                await self.kill_engine(vf)
+                self.renew_fb(vf)
                 await self.start_engine(vf)
-            except DeviceError as e:
-                self.vfm.transition(vf, S.RESETTING, f"engine did not restart after fini: {e}")
-                await self.resetter.device_reset(f"VF{vf.index}: {e}")
+            except Exception as e:  # whatever failed, the VF must not stay SUSPEND
+                await self.resetter.device_reset(f"VF{vf.index} fini failed: {e!r}")
                 return
-            self.vfm.transition(vf, S.AVAIL, "fini: FB scrubbed")
+            self.vfm.send(vf, E.ENGINE_UP, "fini: FB scrubbed")
 
     async def clear_fb(self, vf: VF) -> None:
         async with self.lifecycle:
@@ -329,9 +365,7 @@ class Host:
 
     async def clear_guard(self, vf: VF) -> None:
         async with self.lifecycle:
-            self.resetter.clear_guard(vf)
-            if vf.state == S.QUARANTINED:
-                await self.bring_up(vf, "guard cleared")
+            await self.resetter.clear_guard(vf)
 
     # ---- shared info blocks ----------------------------------------------------------
 
@@ -378,110 +412,16 @@ class Host:
                 "read_at": time.time(),
             }  # fmt: skip
 
-    # ---- status ----------------------------------------------------------------------
+    # ---- status (see host/status.py) -------------------------------------------------
 
-    async def _sample_shares(self) -> None:
-        while True:
-            self.samples.append(self.sched.snapshot())
-            await asyncio.sleep(1.0)  # sampling period of the achieved-share window
-
-    def achieved_shares(self) -> dict[int, float]:
-        if len(self.samples) < 2:
-            return {}
-        a, b = self.samples[0], self.sched.snapshot()
-        span = b["elapsed_ns"] - a["elapsed_ns"]
-        out = {}
-        for vf, now in b["vfs"].items():
-            before = a["vfs"].get(vf, {"device_ns": now["device_ns"]})["device_ns"]
-            out[vf] = max(0.0, (now["device_ns"] - before) / span) if span else 0.0
-        return out
-
-    def device_times(self) -> dict[str, Any]:
-        """Every VF's device time now (ns); reset events carry it so shares can be cut at them."""
-        snap = self.sched.snapshot()
-        return {
-            "elapsed_ns": snap["elapsed_ns"],
-            "lost_ns": snap["lost_ns"],
-            "idle_ns": snap["idle_ns"],
-            "vfs": {str(vf): s["device_ns"] for vf, s in snap["vfs"].items()},
-        }
-
-    def configured_shares(self) -> dict[int, float]:
-        policy = self.sched.policy
-        vfs = [vf for vf in self.vfm.vfs if vf.state != S.UNAVAIL]
-        if policy == Policy.FAIRNESS:
-            pool = vfs
-        else:
-            pool = [vf for vf in vfs if vf.state in (S.ACTIVE, S.FULLACCESS)]
-        if not pool:
-            return {}
-        if policy == Policy.WEIGHTED:
-            total = sum(vf.plan.weight for vf in pool)
-            return {vf.index: vf.plan.weight / total for vf in pool}
-        return {vf.index: 1 / len(pool) for vf in pool}
-
-    def vf_status(self, vf: VF, snap: dict[str, Any] | None = None) -> dict[str, Any]:
-        snap = snap or self.sched.snapshot()
-        s = snap["vfs"].get(vf.index, {})
-        achieved = self.achieved_shares()
-        configured = self.configured_shares()
-        return {
-            "index": vf.index,
-            "state": str(vf.state),
-            "fb_total": vf.fb,
-            # Device memory its engine takes outside the FB (cuda; 0 on emu), budgeted.
-            "context_bytes": self.device.engine_memory().context,
-            "scratch_bytes": self.device.engine_memory().scratch,
-            "fb_used": vf.vf2pf.get("fb_used", 0),
-            "fb_resident": self.device.fb_resident(vf.index) if vf.state != S.UNAVAIL else 0,
-            "weight": vf.plan.weight,
-            "token_file": str(vf.plan.token_file),
-            "configured_share": round(configured.get(vf.index, 0.0), 4),
-            "achieved_share": round(achieved.get(vf.index, 0.0), 4),
-            "device_ms": round(s.get("device_ns", 0) / 1e6, 3),
-            "running": s.get("running", False),
-            "pending": s.get("pending", 0),
-            "guest_pid": vf.guest_pid,
-            "engine_pid": vf.engine.pid if vf.engine else None,
-            "launches_completed": vf.vf2pf.get("launches_completed", 0),
-            "netgpu_rx_bytes": vf.vf2pf.get("netgpu_rx_bytes", 0),
-            "driver_version": vf.vf2pf.get("driver_version"),
-            "vf2pf_read_at": vf.vf2pf.get("read_at"),
-            "flr_count": vf.flr_count,
-            "last_flr": vf.last_flr,
-            "guard": {
-                "recent_flrs": len(vf.flr_times),
-                "limit": self.resetter.guard.count,
-                "window_s": self.resetter.guard.window_s,
-                "tripped": vf.state == S.QUARANTINED,
-                "trips": vf.guard_trips,
-            },
-            "vf2pf_untrusted": vf.untrusted,
-            "since": vf.since,
-        }
+    def vf_status(self, vf: VF) -> dict[str, Any]:
+        return self.report.vf_status(vf)
 
     def status(self) -> dict[str, Any]:
-        snap = self.sched.snapshot()
-        elapsed = snap["elapsed_ns"] or 1
-        lat = sorted(self.sched.stats.latencies_ns)
-        return {
-            "backend": self.config.device.backend,
-            "policy": snap["policy"],
-            "time_slice_ms": self.config.scheduler.time_slice_ms,
-            "socket": str(self.socket_path),
-            "admin": self.admin.where,
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - self.started, 3),
-            "host_rss_bytes": rss_bytes(os.getpid()),
-            "sched": {
-                "current": snap["current"],
-                "switches": snap["switches"],
-                "lost_pct": round(100 * snap["lost_ns"] / elapsed, 3),
-                "switch_p50_us": round(lat[len(lat) // 2] / 1e3, 1) if lat else None,
-                "switch_p99_us": round(lat[int(len(lat) * 0.99)] / 1e3, 1) if lat else None,
-            },
-            "vfs": [self.vf_status(vf, snap) for vf in self.vfm.vfs],
-        }
+        return self.report.status()
+
+    def device_times(self) -> dict[str, Any]:
+        return self.report.device_times()
 
 
 def refuse_if_served(path: Path) -> None:
@@ -496,15 +436,6 @@ def refuse_if_served(path: Path) -> None:
     raise DeviceError(
         f"another gpuvirt host is serving at {path}; stop it first or use another socket"
     )
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process now (not its peak)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 async def run_host(config: HostConfig, ready: Path | None = None) -> None:

@@ -34,7 +34,8 @@ from gpuvirt.host.vfmgr import VFState
 from gpuvirt.version import __version__
 
 if TYPE_CHECKING:
-    from gpuvirt.host.daemon import Host
+    from gpuvirt.host.events import EventLog
+    from gpuvirt.host.status import StatusReport
 
 # World-switch latency buckets (seconds). DESIGN.md's targets are p50 ≤ 150 µs
 # and p99 ≤ 1 ms on emu, so both are bucket edges and the range around them is fine.
@@ -57,15 +58,15 @@ class _State:
 _states: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
 
 
-def _state(host: Host) -> _State:
-    st = _states.get(host)
+def _state(report: StatusReport) -> _State:
+    st = _states.get(report)
     if st is None:
-        st = _states[host] = _State()
+        st = _states[report] = _State()
     return st
 
 
-def _take_switches(host: Host, st: _State) -> None:
-    stats = host.sched.stats
+def _take_switches(report: StatusReport, st: _State) -> None:
+    stats = report.sched.stats
     # Read the counter before copying the ring: the scheduler thread appends
     # the latency first and counts the switch after, so the copy holds at least
     # `switches` entries. A switch landing between the two reads is counted by
@@ -86,8 +87,8 @@ def _take_switches(host: Host, st: _State) -> None:
     st.switches_seen = total
 
 
-def _take_events(host: Host, st: _State) -> None:
-    for ev in host.events.since(st.events_seen, None, limit=1 << 30):
+def _take_events(events: EventLog, st: _State) -> None:
+    for ev in events.since(st.events_seen, None, limit=1 << 30):
         st.events_seen = ev.seq
         if ev.kind == "guard.trip" and ev.vf is not None:
             st.guard_trips[ev.vf] = st.guard_trips.get(ev.vf, 0) + 1
@@ -96,20 +97,21 @@ def _take_events(host: Host, st: _State) -> None:
 
 
 class HostCollector(Collector):
-    def __init__(self, host: Host) -> None:
-        self.host = host
+    """Reads only the host's status report and its event log."""
+
+    def __init__(self, report: StatusReport, events: EventLog) -> None:
+        self.report, self.events = report, events
 
     def collect(self) -> Iterator[Metric]:
-        host = self.host
-        status = host.status()
-        st = _state(host)
-        _take_switches(host, st)
-        _take_events(host, st)
-        yield from _device(host, status, st)
+        status = self.report.status()
+        st = _state(self.report)
+        _take_switches(self.report, st)
+        _take_events(self.events, st)
+        yield from _device(self.report, status, st)
         yield from _vfs(status, st)
 
 
-def _device(host: Host, status: dict[str, Any], st: _State) -> Iterator[Metric]:
+def _device(report: StatusReport, status: dict[str, Any], st: _State) -> Iterator[Metric]:
     info = InfoMetricFamily("gpuvirt_host", "The host daemon: backend, policy, version.")
     info.add_metric(
         [],
@@ -144,7 +146,7 @@ def _device(host: Host, status: dict[str, Any], st: _State) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "gpuvirt_world_switch_lost_seconds",
         "Device time spent inside world switches (no VF running) since the host started.",
-        host.sched.stats.lost_ns / 1e9,
+        report.sched.stats.lost_ns / 1e9,
     )
     cumulative, buckets = 0, []
     for edge, n in zip((*SWITCH_BUCKETS_S, float("inf")), st.buckets, strict=True):
@@ -256,8 +258,8 @@ def _vfs(status: dict[str, Any], st: _State) -> Iterator[Metric]:
     yield from (trips, last, steps)
 
 
-def render(host: Host) -> tuple[bytes, str]:
+def render(report: StatusReport, events: EventLog) -> tuple[bytes, str]:
     """The Prometheus text exposition of the host's metrics, and its content type."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(HostCollector(host))
+    registry.register(HostCollector(report, events))
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from gpuvirt.config import VFSettings, format_size
 from gpuvirt.errors import ConfigError, DeviceError
 from gpuvirt.host.events import Category
-from gpuvirt.host.vfmgr import VF, VFState
+from gpuvirt.host.vfmgr import VF, VFEvent, VFState
 
 if TYPE_CHECKING:
     from gpuvirt.host.daemon import Host
@@ -92,7 +92,7 @@ async def _recarve(host: Host, vf: VF, fb: int) -> None:
     if vf.state != S.AVAIL:
         host.renew_fb(vf, fb)  # QUARANTINED or FAILED: no engine holds the FB
         return
-    host.vfm.transition(vf, S.RESETTING, f"FB re-carved to {format_size(fb)}")
+    host.vfm.send(vf, VFEvent.RECARVE, f"FB re-carved to {format_size(fb)}")
     await host.off_schedule(vf)
     await host.kill_engine(vf)
     host.renew_fb(vf, fb)

@@ -1,106 +1,50 @@
-"""World-switch scheduler: time-slices the device between VFs.
+"""World-switch scheduler thread: time-slices the device between VFs.
 
 Runs in its own thread with the monotonic clock, so mailbox or admin traffic
 on the asyncio loop never delays a switch. The loop talks to it only through
 `Scheduler` methods, which queue an op and ring the scheduler's wake eventfd;
-results come back as concurrent futures.
+results come back as concurrent futures. What to run and when a slice ends is
+decided by host/policy.py from numbers this thread reads for it.
 
 A switch is IDLE(A) SAVE(A) LOAD(B) RUN(B) (device/base.py checks the order).
-Between switches the thread sleeps in epoll on: its wake fd, every engine's
-exit fd (an engine that dies is noticed at once), the running engine's idle
-fd (it drained its queue: liquid/weighted yield at once) and, for the
-work-conserving policies, the doorbells of the VFs not running (they have
-work now). It never polls an engine for anything but its status words.
+Between switches the thread sleeps in epoll (host/watch.py) on its wake fd,
+every engine's exit fd, the running engine's idle fd and, for the
+work-conserving policies, the doorbells of waiting VFs with no work yet.
 
-Policies (GIM's names):
-  fairness     every enabled VF gets its slice, guest or not, work or not
-  round_robin  VFs with a guest, full slices
-  liquid       VFs with pending work; a VF with nothing pending yields at once
-  weighted     liquid, picking the VF with the least device time per weight
-
-A VF that overran its slice has the excess taken off its next slice, never
-below half a slice.
+Guests and engines are untrusted: a doorbell counts at most MAX_QUEUED launches
+ahead of the completions, a running kernel's identity changes only when a
+launch completed, its start time is never in the future, a VF's doorbell wakes
+the thread at most once between two of its slices and its engine's idle fd at
+most IDLE_WAKES_MAX times a slice. An exception on this thread faults the VF
+it was handling (reset by the host), or with none to blame resets the device;
+the thread goes on serving either way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from gpuvirt.device.base import Engine, WSCommand, command_limit
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
+from gpuvirt.host.policy import Policy, Rules
+from gpuvirt.host.priority import raise_priority
+from gpuvirt.host.sched_entry import Entry, SchedStats
+from gpuvirt.host.watch import Watches
+
+IDLE_WAKES_MAX = 4  # idle signals a running engine may send per slice
+ESCALATE_EVERY_NS = 1_000_000_000  # unblamed failures: at most one device reset a second
 
 
-class Policy(StrEnum):
-    FAIRNESS = "fairness"
-    ROUND_ROBIN = "round_robin"
-    LIQUID = "liquid"
-    WEIGHTED = "weighted"
-
-
-WORK_CONSERVING = frozenset({Policy.LIQUID, Policy.WEIGHTED})
-# weighted: a VF without work for less than this keeps the device time it is owed
-REJOIN_NS = 100_000_000
-
-
-@dataclass
-class Entry:
-    vf: int
-    engine: Engine
-    weight: float
-    doorbell: int | None = None  # eventfd the guest rings per submitted command
-    submitted: int = 0
-    device_ns: int = 0
-    vtime: float = 0.0
-    debt_ns: int = 0
-    run_start: int = 0
-    slice_ns: int = 0
-    # device time at ref_mono: maps a wall instant inside the last run to device time
-    ref_mono: int = 0
-    ref_dev: int = 0
-    kernel_seq: int = 0
-    kernel_base: int = 0
-    faulted: bool = False
-    switches_in: int = 0
-    candidate: bool = False
-    left_at: int = 0  # when it last stopped being a candidate (weighted)
-    next_weight: float | None = None  # set while running: takes effect when the slice ends
-
-    @property
-    def has_guest(self) -> bool:
-        return self.doorbell is not None
-
-    def pending(self) -> int:
-        return max(0, self.submitted - self.engine.status[Word.COMPLETED])
-
-    def device_now(self, now: int, running: bool) -> int:
-        return self.device_ns + (now - self.run_start if running else 0)
-
-
-@dataclass
-class SchedStats:
-    started_ns: int = field(default_factory=time.monotonic_ns)
-    lost_ns: int = 0  # device time spent inside world switches
-    idle_ns: int = 0  # no VF on the device
-    switches: int = 0
-    latencies_ns: deque[int] = field(default_factory=lambda: deque(maxlen=100_000))
-    # per world-switch command: durations in ns, for finding where a slow switch went
-    commands_ns: dict[str, deque[int]] = field(
-        default_factory=lambda: defaultdict(lambda: deque(maxlen=10_000))
-    )
-
-
-FaultHandler = Callable[[int, str, str], None]
+# (vf or None for the whole device, reason, detail); called on the scheduler thread
+FaultHandler = Callable[[int | None, str, str], None]
 
 
 class Scheduler:
@@ -117,6 +61,7 @@ class Scheduler:
         """coop_idle_timeout_ms: a cooperative engine's limit on IDLE (None: cmd_timeout)."""
         self.policy = Policy(policy)
         self.slice_ns = int(time_slice_ms * 1e6)
+        self.rules = Rules(self.policy, self.slice_ns)
         self.cmd_timeout = cmd_timeout_ms / 1000
         self.coop_idle_timeout = (
             self.cmd_timeout if coop_idle_timeout_ms is None else coop_idle_timeout_ms / 1000
@@ -130,11 +75,14 @@ class Scheduler:
         self.stats = SchedStats()
         self._ops: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._sel = selectors.EpollSelector()
-        self._sel.register(self._wake, selectors.EVENT_READ, ("wake", None))
+        self._w = Watches(self.rules.work_conserving)
+        self._w.add(self._wake, "wake", None)
         self._exclusive_waiters: list[tuple[int, Future[None]]] = []
         self._stopping = False
         self._repick = True
+        self._slice_end = 0
+        self._culprit: Entry | None = None  # the VF being handled, blamed if this raises
+        self._escalated_at = -ESCALATE_EVERY_NS
         self._idle_since: int | None = time.monotonic_ns()
         self.priority = "not started"
         self._thread = threading.Thread(target=self._main, name="gpuvirt-sched", daemon=True)
@@ -147,6 +95,9 @@ class Scheduler:
     def stop(self) -> None:
         self._call(self._op_stop).result(timeout=10)
         self._thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def add(self, vf: int, engine: Engine, weight: float) -> Future[None]:
         return self._call(self._op_add, vf, engine, weight)
@@ -167,38 +118,23 @@ class Scheduler:
         return self._call(self._op_set_exclusive, vf)
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters for status and metrics; reads ints only, safe from any thread."""
-        now = time.monotonic_ns()
-        cur = self.current
-        vfs = {
-            e.vf: {
-                "device_ns": e.device_now(now, e is cur),
-                "switches_in": e.switches_in,
-                "running": e is cur,
-                "weight": e.weight,
-                "next_weight": e.next_weight,
-                "pending": e.pending() if e.has_guest else 0,
-                "submitted": e.submitted,
-                "received": e.engine.status[Word.RECEIVED],
-                "completed": e.engine.status[Word.COMPLETED],
-                "faulted": e.faulted,
-                "has_guest": e.has_guest,
-                "doorbell_fd": e.doorbell,
-            }
-            for e in list(self.entries.values())
-        }
+        """Counters for status and metrics, safe from any thread."""
+        with self._w.lock:
+            now = time.monotonic_ns()
+            cur = self.current
+            vfs = {e.vf: e.row(now, e is cur) for e in self.entries.values()}
+            watching = self._w.describe()
         return {
             "policy": str(self.policy),
             "elapsed_ns": now - self.stats.started_ns,
             "lost_ns": self.stats.lost_ns,
             "idle_ns": self.stats.idle_ns,
             "switches": self.stats.switches,
+            "wakeups": self.stats.wakeups,
+            "errors": self.stats.errors,
             "current": cur.vf if cur else None,
             "vfs": vfs,
-            "watching": {
-                str(k.fd): [k.data[0], k.data[1].vf if k.data[1] else None]
-                for k in list(self._sel.get_map().values())
-            },
+            "watching": watching,
         }
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -213,39 +149,76 @@ class Scheduler:
         self.priority = raise_priority()
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)  # this thread only: beside the engines
-        slice_end = 0
         while not self._stopping:
-            now = time.monotonic_ns()
+            try:
+                self._step()
+            except Exception as exc:  # any bug or bad fd: contained, never the thread's end
+                with contextlib.suppress(Exception):  # only when the host's loop is gone
+                    self._contain(exc)
+
+    def _step(self) -> None:
+        now = time.monotonic_ns()
+        cur = self.current
+        if cur is not None:
+            self._culprit = cur
+            self._check_kernel(cur, now)
+            cur.read_pending()
+        ends = (
+            cur is None
+            or now >= self._slice_end
+            or self._yields(cur)
+            or self.rules.should_preempt(cur, self._accounts(), self.exclusive, now)
+        )
+        if self._repick or ends:
+            # An op (a VF added, removed, given a guest) changes who may run, but does
+            # not end the running VF's slice while it may still run.
+            self._repick = False
+            nxt = self._pick(keep=None if ends else cur)
+            if nxt is not cur:
+                self._switch(nxt)
+            elif cur is not None and ends:
+                t = time.monotonic_ns()
+                self._end_slice(cur, t)
+                self._begin_slice(cur, t)
             if self.current is not None:
-                self._check_kernel(self.current, now)
-            cur = self.current
-            ends = (
-                cur is None
-                or now >= slice_end
-                or self._should_yield(cur)
-                or self._should_preempt(cur, now)
-            )
-            if self._repick or ends:
-                # An op (a VF added, removed, given a guest) changes who may run, but does
-                # not end the running VF's slice while it may still run.
-                self._repick = False
-                nxt = self._pick(keep=None if ends else cur)
-                if nxt is not cur:
-                    self._switch(nxt)
-                elif cur is not None and ends:
-                    t = time.monotonic_ns()
-                    self._end_slice(cur, t)
-                    self._begin_slice(cur, t)
-                if self.current is not None:
-                    slice_end = self.current.run_start + self.current.slice_ns
-                self._resolve_exclusive()
-            self._arm_idle_notify()
-            timeout = None
-            if self.current is not None:
-                timeout = max(0.0, (slice_end - time.monotonic_ns()) / 1e9)
-            for key, _ in self._sel.select(timeout):
-                self._event(*key.data)
-            self._run_ops()
+                self._slice_end = self.current.run_start + self.current.slice_ns
+            self._resolve_exclusive()
+        self._arm_idle_notify()
+        self._culprit = None
+        timeout = None
+        if self.current is not None:
+            timeout = max(0.0, (self._slice_end - time.monotonic_ns()) / 1e9)
+        ready = self._w.select(timeout)
+        if ready:
+            self.stats.wakeups += 1
+        for key, _ in ready:
+            self._culprit = key.data[1]
+            self._event(*key.data)
+        self._culprit = None
+        self._run_ops()
+
+    def _contain(self, exc: Exception) -> None:
+        """Blame the VF being handled (the host resets it) or, with none, the device."""
+        self.stats.errors += 1
+        e, self._culprit = self._culprit, None
+        self._repick = True
+        detail = f"{type(exc).__name__}: {exc}"
+        # A switch cut short may have left an engine running that is not `current`.
+        for other in self._accounts():
+            if other is not self.current and other.engine.running and other.engine.alive():
+                with contextlib.suppress(Exception):
+                    self._cmd(other, WSCommand.IDLE_GPU)
+                    self._cmd(other, WSCommand.SAVE_GPU_STATE)
+        if e is not None and not e.faulted:
+            self._fault(e, "sched_error", detail)
+            return
+        now = time.monotonic_ns()
+        if now - self._escalated_at >= ESCALATE_EVERY_NS:
+            self._escalated_at = now
+            self.on_fault(None, "sched_error", detail)
+
+    def _accounts(self) -> list[Entry]:
+        return list(self.entries.values())
 
     def _event(self, kind: str, entry: Entry | None) -> None:
         if kind == "wake":
@@ -253,9 +226,15 @@ class Scheduler:
         elif kind == "idle":
             assert entry is not None
             _drain(entry.engine.idle_fd())
+            entry.idle_wakes += 1
+            if entry.idle_wakes >= IDLE_WAKES_MAX:  # a storm: not heard again this slice
+                self._w.unidle(entry)
         elif kind == "doorbell":
             assert entry is not None and entry.doorbell is not None
             entry.submitted += _drain(entry.doorbell)
+            if entry.read_pending() > 0:
+                # It has work: more rings change nothing until it has run.
+                self._w.undoorbell(entry)
         elif kind == "exit" and entry is not None and not entry.faulted:
             self._fault(entry, "engine_died", f"engine pid {entry.engine.pid} exited")
 
@@ -273,105 +252,43 @@ class Scheduler:
                 else:
                     self._exclusive_waiters.append((args[0], fut))
 
-    def _candidates(self) -> list[Entry]:
-        if self.exclusive is not None:
-            e = self.entries.get(self.exclusive)
-            return [e] if e is not None and not e.faulted else []
-        live = [e for e in self.entries.values() if not e.faulted]
-        if self.policy is Policy.FAIRNESS:
-            return live
-        with_guest = [e for e in live if e.has_guest]
-        if self.policy is Policy.ROUND_ROBIN:
-            return with_guest
-        for e in with_guest:
-            if e.doorbell is not None and e is not self.current:
-                e.submitted += _drain(e.doorbell)
-        return [e for e in with_guest if e.pending() > 0]
+    def _pick(self, keep: Entry | None) -> Entry | None:
+        for e in self.entries.values():
+            self._culprit = e
+            if self.rules.work_conserving and e.has_guest and e is not self.current:
+                self._take_doorbell(e)
+            e.read_pending()
+        self._culprit = None
+        nxt = self.rules.pick(self.entries, self.current, self.exclusive, time.monotonic_ns(), keep)
+        assert nxt is None or isinstance(nxt, Entry)
+        return nxt
 
-    def _pick(self, keep: Entry | None = None) -> Entry | None:
-        cands = self._candidates()
-        cur = self.current
-        if not cands:
-            # Work-conserving policies keep an idle VF on the device when nobody else wants
-            # it: its next launch runs without waiting for a switch.
-            if (
-                self.policy in WORK_CONSERVING
-                and cur is not None
-                and not cur.faulted
-                and cur.has_guest
-                and self.exclusive is None
-            ):
-                return cur
-            return None
-        if self.policy is Policy.WEIGHTED:
-            floor = min((e.vtime for e in cands if e.candidate), default=None)
-            now = time.monotonic_ns()
-            for e in self.entries.values():
-                if e in cands and not e.candidate and floor is not None:
-                    e.vtime = self._returning_vtime(e, floor, now)
-                if e.candidate and e not in cands:
-                    e.left_at = now
-                e.candidate = e in cands
-        if keep is not None and keep in cands:
-            return keep
-        if self.policy is Policy.WEIGHTED:
-            return min(cands, key=lambda e: (e.vtime, e.vf))
-        order = sorted(cands, key=lambda e: e.vf)
-        if cur is None:
-            return order[0]
-        after = [e for e in order if e.vf > cur.vf]
-        return after[0] if after else order[0]
-
-    def _should_yield(self, cur: Entry) -> bool:
-        if self.policy not in WORK_CONSERVING or self.exclusive is not None:
-            return False
-        if not cur.engine.status[Word.NOTIFY_IDLE]:
-            return False
-        return self._current_pending(cur) == 0
-
-    def _returning_vtime(self, e: Entry, floor: float, now: int) -> float:
-        """A VF back with work after a short gap (between two launches, even on a busy
-        host) keeps all its lag; after a real idle period it banks no credit."""
-        if now - e.left_at < REJOIN_NS:
-            return e.vtime
-        return max(e.vtime, floor)
-
-    def _current_pending(self, cur: Entry) -> int:
+    def _yields(self, cur: Entry) -> bool:
         """The running VF's doorbell is not watched (it would wake us per launch); read it
         before judging it idle, or a launch already queued behind the drained one is
         missed and the VF yields with work waiting."""
-        if cur.doorbell is not None:
-            cur.submitted += _drain(cur.doorbell)
-        return cur.pending()
-
-    def _should_preempt(self, cur: Entry, now: int) -> bool:
-        """weighted: a VF with work that is behind the running one by more than half a
-        slice of its own takes the device now (CFS-style wakeup preemption). Otherwise a
-        busy VF whose next launch lands just after a pick waits out a whole slice of a
-        VF ahead of it, and loses share at every gap between its kernels."""
-        if self.policy is not Policy.WEIGHTED or self.exclusive is not None:
+        if not self.rules.work_conserving or not cur.engine.status[Word.NOTIFY_IDLE]:
             return False
-        cur_v = cur.vtime + (now - cur.run_start) / cur.weight
-        for e in self.entries.values():
-            if e is cur or not e.has_guest or e.faulted or e.pending() == 0:
-                continue
-            v = e.vtime if e.candidate else self._returning_vtime(e, cur.vtime, now)
-            if v + self.slice_ns / (2 * e.weight) < cur_v:
-                return True
-        return False
+        self._take_doorbell(cur)
+        cur.read_pending()
+        return self.rules.should_yield(cur, self.exclusive)
+
+    def _take_doorbell(self, e: Entry) -> None:
+        if e.doorbell is not None:
+            e.submitted += _drain(e.doorbell)
 
     def _arm_idle_notify(self) -> None:
         """Ask the running engine to signal when it drains, only while someone waits."""
         cur = self.current
-        if cur is None or self.policy not in WORK_CONSERVING:
+        if cur is None or not self.rules.work_conserving:
             return
-        others = any(
-            e is not cur and e.has_guest and not e.faulted and e.pending() > 0
-            for e in self.entries.values()
-        )
+        self._culprit = cur
+        others = self.rules.others_waiting(cur, self._accounts())
         cur.engine.status[Word.NOTIFY_IDLE] = 1 if others else 0
-        if others and self._current_pending(cur) == 0:
-            os.eventfd_write(self._wake, 1)  # drained before the flag was up
+        if others:
+            self._take_doorbell(cur)
+            if cur.read_pending() == 0:
+                os.eventfd_write(self._wake, 1)  # drained before the flag was up
 
     def _cmd(self, e: Entry, cmd: WSCommand) -> None:
         took = e.engine.command(cmd, self._limit(e, cmd))
@@ -386,6 +303,7 @@ class Scheduler:
         cur = self.current
         idle_error = run_error = None
         if cur is not None and (not cur.faulted or cur.engine.running):
+            self._culprit = cur
             try:
                 self._cmd(cur, WSCommand.IDLE_GPU)
                 if cur.engine.cooperative:
@@ -394,6 +312,7 @@ class Scheduler:
             except DeviceError as e:
                 idle_error = e
         if nxt is not None:
+            self._culprit = nxt
             try:
                 if nxt.engine.last == WSCommand.SAVE_GPU_STATE:
                     self._cmd(nxt, WSCommand.LOAD_GPU_STATE)
@@ -403,13 +322,14 @@ class Scheduler:
         t1 = time.monotonic_ns()
 
         if cur is not None:
+            self._culprit = cur
             self.current = None
-            self._unwatch_idle(cur)
+            self._w.unidle(cur)
             self._end_slice(cur, t0)
             if idle_error is not None:
                 self._fault(cur, "idle_failed", str(idle_error))
             else:
-                self._watch_doorbell(cur)
+                self._w.doorbell(cur)
         elif self._idle_since is not None:
             self.stats.idle_ns += t0 - self._idle_since
         if nxt is None or run_error is not None:
@@ -417,6 +337,7 @@ class Scheduler:
                 self._fault(nxt, "run_failed", str(run_error))
             self._idle_since = time.monotonic_ns()
             return
+        self._culprit = nxt
         self._idle_since = None
         if cur is not None:
             self.stats.latencies_ns.append(t1 - t0)
@@ -425,54 +346,37 @@ class Scheduler:
         self.current = nxt
         nxt.switches_in += 1
         self._unwatch_doorbell(nxt)
-        self._watch_idle(nxt)
         self._begin_slice(nxt, t1)
 
     def _begin_slice(self, e: Entry, now: int) -> None:
-        e.run_start = now
         e.ref_mono, e.ref_dev = now, e.device_ns
-        # GIM's overrun rule: the excess comes off this slice, never below half a slice.
-        e.slice_ns = max(self.slice_ns - e.debt_ns, self.slice_ns // 2)
-        e.debt_ns = 0
+        self.rules.begin_slice(e, now)
+        e.idle_wakes = 0
+        self._w.idle(e)
 
     def _end_slice(self, e: Entry, now: int) -> None:
-        ran = max(0, now - e.run_start)
-        e.device_ns += ran
-        e.vtime += ran / e.weight
-        if e.next_weight is not None:
-            e.weight, e.next_weight = e.next_weight, None
-        e.debt_ns = max(0, ran - e.slice_ns)
+        self.rules.end_slice(e, now)
         self._check_kernel(e, now, running=False)
 
     def _check_kernel(self, e: Entry, now: int, running: bool = True) -> None:
-        """job_timeout counts a kernel's own device time, not wall time."""
         if e.faulted:
             return
-        st = e.engine.status
-        seq = st[Word.CURRENT_SEQ]
-        if seq == 0:
-            e.kernel_seq = 0
-            return
-        if seq != e.kernel_seq:
-            e.kernel_seq = seq
-            e.kernel_base = e.ref_dev + max(0, st[Word.CURRENT_START_NS] - e.ref_mono)
-        own = (e.device_ns + (now - e.run_start if running else 0)) - e.kernel_base
-        if own > self.job_timeout_ns:
-            self._fault(
-                e, "job_timeout",
-                f"kernel {seq} ran {own / 1e9:.2f} s of its own device time "
-                f"(job_timeout {self.job_timeout_ns / 1e9:g} s)",
-            )  # fmt: skip
+        overran = e.kernel_overrun(now, running, self.job_timeout_ns)
+        if overran is not None:
+            self._fault(e, "job_timeout", overran)
 
     def _fault(self, e: Entry, reason: str, detail: str) -> None:
-        """Stop scheduling a VF that hung or died and ask the host to reset it."""
+        """Stop scheduling a VF that hung, died or broke this thread; ask for its reset.
+        Each step is best effort: the fault may be in the very fd or engine it touches."""
         e.faulted = True
-        _unregister(self._sel, e.engine.exit_fd())  # level-triggered: would fire forever
-        self._unwatch_doorbell(e)
+        with contextlib.suppress(Exception):
+            self._w.discard(e.engine.exit_fd())  # level-triggered: would fire forever
+        self._w.undoorbell(e)
         if e is self.current:
-            self._unwatch_idle(e)
-            if e.engine.running and e.engine.alive():
-                with contextlib.suppress(DeviceError):
+            with contextlib.suppress(Exception):
+                self._w.unidle(e)
+            with contextlib.suppress(Exception):
+                if e.engine.running and e.engine.alive():
                     e.engine.command(WSCommand.IDLE_GPU, self._limit(e, WSCommand.IDLE_GPU))
             self.current = None
             self._idle_since = time.monotonic_ns()
@@ -487,51 +391,45 @@ class Scheduler:
                 fut.set_result(None)
         self._exclusive_waiters = [(v, f) for v, f in self._exclusive_waiters if v != cur.vf]
 
-    # ---- fd registration ---------------------------------------------------------------
-
-    def _watch_idle(self, e: Entry) -> None:
-        if self.policy in WORK_CONSERVING:
-            self._sel.register(e.engine.idle_fd(), selectors.EVENT_READ, ("idle", e))
-
-    def _unwatch_idle(self, e: Entry) -> None:
-        if self.policy in WORK_CONSERVING:
-            _unregister(self._sel, e.engine.idle_fd())
-            e.engine.status[Word.NOTIFY_IDLE] = 0
-
-    def _watch_doorbell(self, e: Entry) -> None:
-        if self.policy in WORK_CONSERVING and e.doorbell is not None and not e.faulted:
-            self._sel.register(e.doorbell, selectors.EVENT_READ, ("doorbell", e))
-
     def _unwatch_doorbell(self, e: Entry) -> None:
-        if e.doorbell is not None:
-            _unregister(self._sel, e.doorbell)
-            e.submitted += _drain(e.doorbell)
+        self._w.undoorbell(e)
+        self._take_doorbell(e)
 
     # ---- ops (run on the scheduler thread) ---------------------------------------------
 
     def _op_add(self, vf: int, engine: Engine, weight: float) -> None:
         live = [e.vtime for e in self.entries.values()]
-        e = Entry(vf, engine, weight, vtime=min(live, default=0.0))
-        self.entries[vf] = e
-        self._sel.register(engine.exit_fd(), selectors.EVENT_READ, ("exit", e))
+        e = Entry(vf, weight, engine=engine, vtime=min(live, default=0.0))
+        with self._w.lock:
+            self.entries[vf] = e
+        self._w.add(engine.exit_fd(), "exit", e)
 
     def _op_remove(self, vf: int) -> None:
-        e = self.entries.pop(vf, None)
+        e = self.entries.get(vf)
         if e is None:
             return
-        if e is self.current:
-            self._switch(None)
-        elif e.engine.running and e.engine.alive():
-            with contextlib.suppress(DeviceError):
-                e.engine.command(WSCommand.IDLE_GPU, self._limit(e, WSCommand.IDLE_GPU))
-        self._unwatch_doorbell(e)
-        _unregister(self._sel, e.engine.exit_fd())
-        if self.exclusive == vf:
-            self.exclusive = None
-        for v, fut in self._exclusive_waiters:
-            if v == vf:
-                fut.set_exception(DeviceError(f"VF{vf} left the schedule before it got the device"))
-        self._exclusive_waiters = [(v, f) for v, f in self._exclusive_waiters if v != vf]
+        try:
+            if e is self.current:
+                self._switch(None)
+            elif e.engine.running and e.engine.alive():
+                with contextlib.suppress(DeviceError):
+                    e.engine.command(WSCommand.IDLE_GPU, self._limit(e, WSCommand.IDLE_GPU))
+        finally:  # whatever failed above, the VF leaves the schedule
+            with self._w.lock:
+                self.entries.pop(vf, None)
+            if self.current is e:
+                self.current = None
+            self._w.undoorbell(e)
+            self._w.discard(e.engine.exit_fd())
+            self._w.discard(e.engine.idle_fd())
+            if self.exclusive == vf:
+                self.exclusive = None
+            for v, fut in self._exclusive_waiters:
+                if v == vf:
+                    fut.set_exception(
+                        DeviceError(f"VF{vf} left the schedule before it got the device")
+                    )
+            self._exclusive_waiters = [(v, f) for v, f in self._exclusive_waiters if v != vf]
 
     def _op_set_weight(self, vf: int, weight: float) -> None:
         e = self.entries.get(vf)
@@ -543,12 +441,15 @@ class Scheduler:
             e.weight = weight
 
     def _op_set_guest(self, vf: int, doorbell: int | None) -> None:
-        e = self.entries[vf]
+        e = self.entries.get(vf)
+        if e is None:
+            return  # reset while the guest was initializing: the VF left the schedule
         self._unwatch_doorbell(e)
         e.doorbell = doorbell
+        e.has_guest = doorbell is not None
         e.submitted = e.engine.status[Word.COMPLETED]
         if e is not self.current:
-            self._watch_doorbell(e)
+            self._w.doorbell(e)
 
     def _op_set_exclusive(self, vf: int | None) -> object:
         self.exclusive = vf
@@ -563,29 +464,6 @@ class Scheduler:
 
 
 _DEFERRED = object()
-RT_PRIORITY = 10
-
-
-def raise_priority(priority: int = RT_PRIORITY) -> str:
-    """Put the calling thread ahead of the engines and guests it must preempt.
-
-    Engines are CPU-bound; at normal priority the thread that must stop one can
-    itself be preempted by the one it just continued and lose milliseconds. A
-    SCHED_FIFO thread is never preempted by them. RESET_ON_FORK keeps the
-    processes the host spawns (engines) at normal priority. Without the
-    privilege, a lower nice value; without that, say so (latency will show it).
-    """
-    try:
-        policy = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
-        os.sched_setscheduler(0, policy, os.sched_param(priority))
-        return f"SCHED_FIFO {priority}"
-    except (PermissionError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
-        return "nice -10"
-    except (PermissionError, OSError):
-        return "normal priority (no CAP_SYS_NICE): world-switch latency will suffer"
 
 
 def _drain(fd: int) -> int:
@@ -593,8 +471,3 @@ def _drain(fd: int) -> int:
         return os.eventfd_read(fd)
     except BlockingIOError:
         return 0
-
-
-def _unregister(sel: selectors.BaseSelector, fd: int) -> None:
-    with contextlib.suppress(KeyError, ValueError):
-        sel.unregister(fd)

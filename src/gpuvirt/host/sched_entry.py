@@ -1,0 +1,101 @@
+"""The scheduler's record of one VF and its counters, and the engine's status words
+read into them. Those words and the doorbell are written by the tenant's own
+processes, so every read here is bounded: a liar can only hurt itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuvirt.device.base import Engine
+from gpuvirt.device.status import Word
+from gpuvirt.host.policy import Account
+
+# A guest rings once per launch, and its channel holds far fewer launches than this.
+MAX_QUEUED = 1 << 16
+
+
+@dataclass(eq=False)
+class Entry(Account):
+    engine: Engine = field(default=None)  # type: ignore[assignment]
+    doorbell: int | None = None  # eventfd the guest rings per submitted command
+    doorbell_watched: bool = False
+    submitted: int = 0
+    # device time at ref_mono: maps a wall instant inside the last run to device time
+    ref_mono: int = 0
+    ref_dev: int = 0
+    kernel_seq: int = 0
+    kernel_base: int = 0
+    kernel_done: int = -1  # COMPLETED when the running kernel was first seen
+    switches_in: int = 0
+    idle_wakes: int = 0
+
+    def read_pending(self) -> int:
+        """The launches queued and not completed, bounded (the counters are untrusted)."""
+        done = self.engine.status[Word.COMPLETED]
+        self.submitted = min(self.submitted, done + MAX_QUEUED)
+        self.pending = max(0, self.submitted - done)
+        return self.pending
+
+    def device_now(self, now: int, running: bool) -> int:
+        return self.device_ns + (now - self.run_start if running else 0)
+
+    def kernel_overrun(self, now: int, running: bool, limit_ns: int) -> str | None:
+        """Why the running kernel is past job_timeout, or None. job_timeout counts a
+        kernel's own device time, not wall time. The words are the engine's (untrusted):
+        a new kernel needs a completion since the last one began, and its start time is
+        clamped into the run it was seen in."""
+        st = self.engine.status
+        seq = st[Word.CURRENT_SEQ]
+        if seq == 0:
+            self.kernel_seq = 0
+            return None
+        done = st[Word.COMPLETED]
+        if seq != self.kernel_seq and done != self.kernel_done:
+            self.kernel_seq, self.kernel_done = seq, done
+            since = max(0, now - self.ref_mono)
+            start = min(max(0, st[Word.CURRENT_START_NS] - self.ref_mono), since)
+            self.kernel_base = self.ref_dev + start
+        own = self.device_now(now, running) - self.kernel_base
+        if own <= limit_ns:
+            return None
+        return (
+            f"kernel {seq} ran {own / 1e9:.2f} s of its own device time "
+            f"(job_timeout {limit_ns / 1e9:g} s)"
+        )
+
+    def row(self, now: int, running: bool) -> dict[str, Any]:
+        """This VF in a scheduler snapshot."""
+        st = self.engine.status
+        return {
+            "device_ns": self.device_now(now, running),
+            "switches_in": self.switches_in,
+            "running": running,
+            "weight": self.weight,
+            "next_weight": self.next_weight,
+            "pending": max(0, self.submitted - st[Word.COMPLETED]) if self.has_guest else 0,
+            "submitted": self.submitted,
+            "received": st[Word.RECEIVED],
+            "completed": st[Word.COMPLETED],
+            "faulted": self.faulted,
+            "has_guest": self.has_guest,
+            "doorbell_fd": self.doorbell,
+        }
+
+
+@dataclass
+class SchedStats:
+    started_ns: int = field(default_factory=time.monotonic_ns)
+    lost_ns: int = 0  # device time spent inside world switches
+    idle_ns: int = 0  # no VF on the device
+    switches: int = 0
+    wakeups: int = 0  # returns from epoll with something to handle
+    errors: int = 0  # exceptions contained on the scheduler thread
+    latencies_ns: deque[int] = field(default_factory=lambda: deque(maxlen=100_000))
+    # per world-switch command: durations in ns, for finding where a slow switch went
+    commands_ns: dict[str, deque[int]] = field(
+        default_factory=lambda: defaultdict(lambda: deque(maxlen=10_000))
+    )

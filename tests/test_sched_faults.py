@@ -1,0 +1,185 @@
+"""The scheduler thread against real engines, faults and lies (no host around it)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from gpuvirt.device.base import Engine, EngineSpec, WSCommand
+from gpuvirt.device.emu import EmuDevice
+from gpuvirt.device.status import Word
+from gpuvirt.host.policy import Policy
+from gpuvirt.host.sched import IDLE_WAKES_MAX, Scheduler
+from gpuvirt.host.sched_entry import MAX_QUEUED
+
+pytestmark = pytest.mark.timeout(120)
+FB = 4 << 20
+
+
+@dataclass
+class Faults:
+    seen: list[tuple[int | None, str, str]] = field(default_factory=list)
+    event: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, vf: int | None, reason: str, detail: str) -> None:
+        self.seen.append((vf, reason, detail))
+        self.event.set()
+
+
+@dataclass
+class Rig:
+    sched: Scheduler
+    engines: list[Engine]
+    faults: Faults
+
+
+@pytest.fixture
+def rig(request: pytest.FixtureRequest) -> Iterator[Callable[..., Rig]]:
+    devs: list[EmuDevice] = []
+    scheds: list[Scheduler] = []
+
+    def make(policy: str, n: int, job_timeout_s: float = 30.0) -> Rig:
+        dev = EmuDevice()
+        devs.append(dev)
+        engines = []
+        for vf in range(n):
+            dev.create_fb(vf, FB)
+            e = dev.new_engine(EngineSpec(vf, FB))
+            e.command(WSCommand.INIT_GPU, 60)
+            engines.append(e)
+        faults = Faults()
+        sched = Scheduler(Policy(policy), 2, 1000, job_timeout_s, faults)
+        scheds.append(sched)
+        sched.start()
+        for vf, e in enumerate(engines):
+            sched.add(vf, e, 1.0).result(10)
+        return Rig(sched, engines, faults)
+
+    yield make
+    for s in scheds:
+        if s.alive():
+            s.stop()
+    for d in devs:
+        d.close()
+
+
+def until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Until `cond` holds, checked on the scheduler's own counters."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)  # polling the scheduler's counters, not standing in for them
+
+
+def test_an_exception_on_the_thread_resets_that_vf_and_the_others_keep_switching(rig) -> None:
+    r = rig("round_robin", 3)
+    bells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(3)]
+    for vf, fd in enumerate(bells):
+        r.sched.set_guest(vf, fd).result(10)
+    os.close(bells[0])  # VF0's doorbell is gone under the thread: its next switch-in raises
+    assert r.faults.event.wait(20)
+    (vf, reason, detail), *_ = r.faults.seen
+    assert (vf, reason) == (0, "sched_error") and "Bad file descriptor" in detail
+    assert r.sched.alive()
+    before = r.sched.snapshot()
+    until(lambda: r.sched.snapshot()["switches"] >= before["switches"] + 20)
+    after = r.sched.snapshot()
+    assert after["errors"] == 1 and after["vfs"][0]["faulted"]
+    assert after["vfs"][0]["switches_in"] == before["vfs"][0]["switches_in"]
+    assert after["vfs"][1]["switches_in"] > before["vfs"][1]["switches_in"]
+    assert after["vfs"][2]["switches_in"] > before["vfs"][2]["switches_in"]
+    for vf, fd in enumerate(bells[1:], 1):
+        r.sched.set_guest(vf, None).result(10)
+        os.close(fd)
+
+
+def test_snapshots_from_another_thread_while_vfs_come_and_go(rig) -> None:
+    r = rig("liquid", 3)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    taken = [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                r.sched.snapshot()
+                taken[0] += 1
+            except BaseException as e:  # every failure is the test's finding
+                errors.append(e)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        for _ in range(150):
+            r.sched.remove(2).result(10)
+            r.sched.add(2, r.engines[2], 1.0).result(10)
+            r.sched.set_guest(2, bell).result(10)
+            os.eventfd_write(bell, 1)  # watched, then drained: the selector's map changes
+    finally:
+        stop.set()
+        t.join()
+        r.sched.set_guest(2, None).result(10)
+        os.close(bell)
+    assert errors == [] and taken[0] > 150
+    assert r.sched.alive() and r.faults.seen == []
+
+
+def test_a_flooded_doorbell_is_bounded_and_wakes_the_thread_once_per_slice(rig) -> None:
+    r = rig("liquid", 2)
+    bells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2)]
+    for vf, fd in enumerate(bells):
+        r.sched.set_guest(vf, fd).result(10)
+    before = r.sched.snapshot()
+    os.eventfd_write(bells[1], 1 << 62)  # "I queued 2**62 launches"
+    for _ in range(20_000):  # ...and a wake-up storm on top
+        os.eventfd_write(bells[1], 1)
+    until(lambda: r.sched.snapshot()["current"] == 1)
+    after = r.sched.snapshot()
+    assert after["vfs"][1]["pending"] <= MAX_QUEUED
+    woke = after["wakeups"] - before["wakeups"]
+    switched = after["switches"] - before["switches"]
+    assert woke <= 2 * switched + 10, (woke, switched)
+    for vf, fd in enumerate(bells):
+        r.sched.set_guest(vf, None).result(10)
+        os.close(fd)
+
+
+def test_an_engine_faking_its_running_kernel_still_hits_job_timeout(rig) -> None:
+    r = rig("fairness", 1, job_timeout_s=0.3)
+    st = r.engines[0].status  # the engine's own status words, as its kernel can write them
+    seq = 1
+    while not r.faults.event.is_set():
+        # A new kernel id every write and a start time in the future: were either believed,
+        # the hung kernel's own device time would never reach job_timeout.
+        st[Word.CURRENT_START_NS] = time.monotonic_ns() + 10**12
+        st[Word.CURRENT_SEQ] = seq
+        seq += 1
+        assert seq < 50_000_000, "job_timeout never tripped"
+    (vf, reason, _detail), *_ = r.faults.seen
+    assert (vf, reason) == (0, "job_timeout")
+
+
+def test_an_idle_signal_storm_wakes_the_thread_a_bounded_number_of_times_a_slice(rig) -> None:
+    r = rig("liquid", 2)
+    bells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2)]
+    for vf, fd in enumerate(bells):
+        r.sched.set_guest(vf, fd).result(10)
+        os.eventfd_write(fd, 1)  # one launch each that never completes: both stay busy
+    until(lambda: r.sched.snapshot()["current"] is not None)
+    before = r.sched.snapshot()
+    for _ in range(20_000):  # the engine's "my queue drained" eventfd, written as it can
+        for e in r.engines:
+            os.eventfd_write(e.idle_fd(), 1)
+    after = r.sched.snapshot()
+    woke = after["wakeups"] - before["wakeups"]
+    slices = after["switches"] - before["switches"] + 1
+    assert woke <= (IDLE_WAKES_MAX + 2) * slices + 10, (woke, slices)
+    for vf, fd in enumerate(bells):
+        r.sched.set_guest(vf, None).result(10)
+        os.close(fd)
