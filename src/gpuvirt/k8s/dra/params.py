@@ -1,0 +1,172 @@
+"""What a ResourceClaim asks of this driver: its devices here and their VfConfig.
+
+Pure code, no I/O: a claim (the resource.k8s.io/v1 object as a JSON dict) in,
+`Wanted` devices out, or a `ClaimError` naming the key, the value and the
+reason. The opaque parameters are ``{"fb": "4GiB", "weight": 3}``, both
+optional, with ``apiVersion: gpuvirt.io/v1`` and ``kind: VfConfig`` allowed.
+Configs apply in the order the API server lists them (the class's first, then
+the claim's), a later one overriding an earlier one key by key, as upstream
+drivers merge them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuvirt.config import MIN_VF_FB, format_size, parse_size
+
+DRIVER = "gpuvirt.io"
+API_VERSION = "gpuvirt.io/v1"
+KIND = "VfConfig"
+# Beyond 1000:1 the lighter VF would wait seconds between 6 ms slices.
+MAX_WEIGHT = 1000
+KEYS = ("apiVersion", "kind", "fb", "weight")
+
+
+class ClaimError(ValueError):
+    """This claim cannot be prepared; the message says why. Never fatal to the plugin."""
+
+
+@dataclass(frozen=True, slots=True)
+class VfConfig:
+    fb: int | None = None  # bytes
+    weight: int | None = None
+
+    def as_admin(self) -> dict[str, int]:
+        """The body of the host's `POST /vf/N/set`."""
+        return {k: v for k, v in (("fb", self.fb), ("weight", self.weight)) if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """One allocated device of this driver on this node, and how to set it up."""
+
+    request: str
+    pool: str
+    device: str
+    config: VfConfig
+
+
+def parse_config(params: Any, fb_limit: int, where: str = "parameters") -> VfConfig:
+    """A VfConfig from one opaque parameters object; `fb_limit` is the most FB one VF can have."""
+    if isinstance(params, str | bytes):
+        try:
+            params = json.loads(params)
+        except ValueError as e:
+            raise ClaimError(f"{where}: not JSON ({e})") from None
+    if not isinstance(params, Mapping):
+        raise ClaimError(
+            f"{where} = {_show(params)}: expected an object such as "
+            '{"fb": "4GiB", "weight": 3}'
+        )
+    for key, value in params.items():
+        if key not in KEYS:
+            raise ClaimError(
+                f"{where}.{key} = {_show(value)}: unknown key; {DRIVER} takes fb and weight"
+                f" (and apiVersion {API_VERSION}, kind {KIND})"
+            )
+    for key, expected in (("apiVersion", API_VERSION), ("kind", KIND)):
+        if key in params and params[key] != expected:
+            raise ClaimError(f"{where}.{key} = {_show(params[key])}: must be {expected!r}")
+    return VfConfig(
+        fb=_fb(params["fb"], fb_limit, where) if "fb" in params else None,
+        weight=_weight(params["weight"], where) if "weight" in params else None,
+    )
+
+
+def _fb(value: Any, limit: int, where: str) -> int:
+    try:
+        fb = parse_size(value)
+    except ValueError as e:
+        raise ClaimError(f"{where}.fb = {_show(value)}: {e}") from None
+    if fb < MIN_VF_FB:
+        raise ClaimError(
+            f"{where}.fb = {_show(value)}: below the smallest VF FB, {format_size(MIN_VF_FB)}"
+        )
+    if fb > limit:
+        raise ClaimError(
+            f"{where}.fb = {_show(value)}: larger than the device, whose VFs have "
+            f"{format_size(limit)} of FB in all"
+        )
+    return fb
+
+
+def _weight(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClaimError(f"{where}.weight = {_show(value)}: must be a whole number 1..{MAX_WEIGHT}")
+    if not 1 <= value <= MAX_WEIGHT:
+        raise ClaimError(f"{where}.weight = {value}: out of range 1..{MAX_WEIGHT}")
+    return value
+
+
+def wanted(claim: Mapping[str, Any], node: str, fb_limit: int) -> list[Wanted]:
+    """This node's devices of this driver in `claim`'s allocation, each with its merged config."""
+    name = _claim_name(claim)
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not allocation:
+        raise ClaimError(f"claim {name} is not allocated yet")
+    devices = allocation.get("devices") or {}
+    results = [r for r in devices.get("results") or [] if r.get("driver") == DRIVER]
+    mine = [r for r in results if r.get("pool") == node]
+    if not mine:
+        pools = sorted({str(r.get("pool")) for r in results})
+        raise ClaimError(
+            f"claim {name} has no {DRIVER} device on node {node!r}"
+            + (f" (its devices are in pools {', '.join(pools)})" if pools else "")
+        )
+    configs = [
+        (i, c) for i, c in enumerate(devices.get("config") or [])
+        if (c.get("opaque") or {}).get("driver") == DRIVER
+    ]  # fmt: skip
+    out = []
+    for result in mine:
+        merged: dict[str, Any] = {}
+        for i, c in configs:
+            if _applies(c.get("requests") or [], result["request"]):
+                params = c["opaque"].get("parameters")
+                where = f"claim {name}: config[{i}] ({c.get('source', '?')}) parameters"
+                parse_config(params, fb_limit, where)  # each one checked where it was written
+                merged.update(params if isinstance(params, Mapping) else json.loads(params))
+        out.append(
+            Wanted(
+                request=result["request"],
+                pool=result["pool"],
+                device=result["device"],
+                config=parse_config(merged, fb_limit, f"claim {name}: parameters"),
+            )
+        )
+    return out
+
+
+def _applies(requests: list[str], request: str) -> bool:
+    # A result of a subrequest is named "request/subrequest"; a config for the
+    # parent request covers it.
+    return not requests or request in requests or request.split("/", 1)[0] in requests
+
+
+def _claim_name(claim: Mapping[str, Any]) -> str:
+    meta = claim.get("metadata") or {}
+    return f"{meta.get('namespace', '?')}/{meta.get('name', '?')}"
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, bytes) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def device_name(vf: int) -> str:
+    """A VF's device name in the ResourceSlice."""
+    return f"vf{vf}"
+
+
+def vf_index(device: str, vf_count: int) -> int:
+    """The VF behind a device name from an allocation; a name not ours is a ClaimError."""
+    digits = device[2:] if device.startswith("vf") else ""
+    if not digits.isdigit() or device != device_name(int(digits)) or int(digits) >= vf_count:
+        raise ClaimError(
+            f"allocated device {device!r} is not a VF of this node (it has vf0..vf{vf_count - 1})"
+        )
+    return int(digits)
