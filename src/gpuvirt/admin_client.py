@@ -11,6 +11,15 @@ from typing import Any
 from gpuvirt.errors import GpuvirtError, HostUnreachableError
 
 
+class AdminRefusedError(GpuvirtError):
+    """The host answered with an HTTP error: ``status`` 400 a bad value, 404 no such VF
+    or endpoint, 409 not now (the VF's state forbids it); the message says which."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: Path, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -32,14 +41,21 @@ class AdminClient:
             return _UnixConnection(self.address, timeout)
         return http.client.HTTPConnection(*self.address, timeout=timeout)
 
-    def request(self, method: str, path: str, timeout: float | None = None) -> Any:
-        raw, ctype = self.raw(method, path, timeout)
+    def request(
+        self, method: str, path: str, timeout: float | None = None, body: Any = None
+    ) -> Any:
+        """``body``, when given, goes as JSON."""
+        raw, ctype = self.raw(method, path, timeout, body)
         return json.loads(raw) if ctype.startswith("application/json") else raw.decode()
 
-    def raw(self, method: str, path: str, timeout: float | None = None) -> tuple[bytes, str]:
+    def raw(
+        self, method: str, path: str, timeout: float | None = None, body: Any = None
+    ) -> tuple[bytes, str]:
         conn = self._conn(timeout or self.timeout)
+        data = None if body is None else json.dumps(body).encode()
+        headers = {} if data is None else {"Content-Type": "application/json"}
         try:
-            conn.request(method, path)
+            conn.request(method, path, data, headers)
             resp = conn.getresponse()
             body = resp.read()
         except (FileNotFoundError, ConnectionRefusedError) as e:
@@ -57,7 +73,7 @@ class AdminClient:
                 msg = json.loads(body)["error"]
             except (ValueError, KeyError, TypeError):
                 msg = body.decode(errors="replace")
-            raise GpuvirtError(msg)
+            raise AdminRefusedError(msg, resp.status)
         return body, ctype
 
     def _where(self) -> str:
@@ -72,6 +88,14 @@ class AdminClient:
         if action is None:
             return self.request("GET", f"/vf/{index}")
         return self.request("POST", f"/vf/{index}/{action}", timeout=120)
+
+    def vf_set(
+        self, index: int, fb: int | str | None = None, weight: float | None = None
+    ) -> dict[str, Any]:
+        """Reconfigure a VF (``POST /vf/N/set``): FB only while it has no guest, weight
+        at any time; None leaves a value as it is. Returns the VF's status."""
+        body = {k: v for k, v in (("fb", fb), ("weight", weight)) if v is not None}
+        return self.request("POST", f"/vf/{index}/set", timeout=120, body=body)
 
     def events(
         self, after: int = 0, vf: int | None = None, wait: float = 0

@@ -85,6 +85,7 @@ __all__ = [
     "TiB",
     "VFPlan",
     "VFSection",
+    "VFSettings",
     "default_runtime_dir",
     "default_state_dir",
     "format_size",
@@ -93,6 +94,7 @@ __all__ = [
     "parse_config",
     "parse_size",
     "parse_token",
+    "parse_vf_settings",
     "parse_window",
 ]
 
@@ -494,6 +496,33 @@ class VFSection(BaseModel):
     allowed_uids: Annotated[list[int] | None, AfterValidator(_uid_list)] = None
 
 
+class VFSettings(BaseModel):
+    """A change to one running VF (``gpuvirt vf set``, the admin API, a DRA claim's
+    parameters): the same keys and rules as ``[[vf]]``; None leaves a value as it is."""
+
+    model_config = _MODEL
+
+    fb: VFSize | None = None
+    weight: Annotated[float, _in_range(0, above=True)] | None = None
+
+
+def parse_vf_settings(data: object, source: str = "VF settings") -> VFSettings:
+    """`VFSettings` from a JSON-like object such as ``{"fb": "4GiB", "weight": 3}``.
+
+    Raises ConfigError with one ``key = value: reason`` line per problem.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f'{source}: expected an object such as {{"fb": "4GiB", '
+            f'"weight": 2}}, got {_toml_type(data)}'
+        )
+    try:
+        return VFSettings.model_validate(data)
+    except ValidationError as e:
+        problems = [_describe(err, frozenset(), VFSettings) for err in e.errors(include_url=False)]
+    raise ConfigError(f"{source}: " + "; ".join(problems))
+
+
 @dataclass(frozen=True, slots=True)
 class VFPlan:
     """One VF as the host will set it up: every value resolved."""
@@ -890,9 +919,9 @@ _EXPECTED = {
 }
 
 
-def _fields_at(loc: Sequence[int | str]) -> list[str]:
+def _fields_at(loc: Sequence[int | str], root: type[BaseModel] = HostConfig) -> list[str]:
     """Field names of the model a location points into, for 'did you mean'."""
-    model: Any = HostConfig
+    model: Any = root
     for part in loc:
         if isinstance(part, int):
             continue
@@ -908,7 +937,11 @@ def _fields_at(loc: Sequence[int | str]) -> list[str]:
     return list(model.model_fields)
 
 
-def _describe(err: Mapping[str, Any], override_keys: frozenset[tuple[str, ...]]) -> str:
+def _describe(
+    err: Mapping[str, Any],
+    override_keys: frozenset[tuple[str, ...]],
+    root: type[BaseModel] = HostConfig,
+) -> str:
     loc = tuple(err["loc"])
     key = _dotted(loc)
     kind = err["type"]
@@ -917,7 +950,7 @@ def _describe(err: Mapping[str, Any], override_keys: frozenset[tuple[str, ...]])
     if kind == "missing":
         return f"{key}: missing; this key is required"
     if kind == "extra_forbidden":
-        known = _fields_at(loc[:-1])
+        known = _fields_at(loc[:-1], root)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f"did you mean {close[0]}?" if close else "known keys here: " + ", ".join(known)
         reason = f"unknown key; {hint}"

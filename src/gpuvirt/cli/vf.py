@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from gpuvirt.cli.common import ConfigOpt, JsonOpt, admin, call, console, print_json
+from gpuvirt.cli.common import ConfigOpt, JsonOpt, admin, call, console, fail, print_json
 from gpuvirt.config import format_size
 
 app = typer.Typer(help="Show and manage virtual functions.", no_args_is_help=True)
@@ -87,3 +87,29 @@ for _name, _doc in (
     ("clear-guard", "Clear a VF's FLR guard; a quarantined VF becomes available."),
 ):
     _action(_name, _doc)
+
+
+@app.command("set")
+def set_(
+    index: Index,
+    fb: Annotated[
+        str | None,
+        typer.Option(help="New FB size, e.g. 512MiB (only while the VF has no guest)."),
+    ] = None,
+    weight: Annotated[
+        float | None, typer.Option(help="New weight under the weighted policy (any time).")
+    ] = None,
+    config: ConfigOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Reconfigure a VF at run time: its FB (re-carved and scrubbed) and its weight."""
+    if fb is None and weight is None:
+        raise fail("nothing to set: give --fb SIZE, --weight W or both", 2)
+    v = call(admin(config).vf_set, index, fb, weight)
+    if json:
+        print_json(v)
+    else:
+        console.print(
+            f"VF{index}: FB {format_size(v['fb_total'])}, weight {v['weight']:g}; "
+            f"state [bold]{v['state']}[/]"
+        )

@@ -215,14 +215,15 @@ class Device(abc.ABC):
     def destroy_fb(self, vf: int) -> None:
         """Drop the VF's FB (the VF is being disabled)."""
 
-    def renew_fb(self, vf: int) -> int:
+    def renew_fb(self, vf: int, size: int | None = None) -> int:
         """Scrub the VF's FB and give it a new identity (fd) for the next tenant.
 
         numpy views can keep a detached guest's mapping of the old FB alive after it
         closed; that mapping then reaches only the scrubbed old memory, never what the
-        next tenant writes. Called only while no engine runs on the FB.
+        next tenant writes. `size` re-carves it (`gpuvirt vf set --fb`). Called only
+        while no engine runs on the FB.
         """
-        size = self.fb_size(vf)
+        size = self.fb_size(vf) if size is None else size
         self.scrub(vf)
         self.destroy_fb(vf)
         return self.create_fb(vf, size)

@@ -4,6 +4,7 @@
     GET  /vf/N                   one VF (JSON)
     GET  /sched?latencies=1      scheduler counters (and every world-switch latency, ns)
     POST /vf/N/ACTION            enable | disable | reset | clear-fb | clear-guard
+    POST /vf/N/set               JSON {"fb": "4GiB" | bytes, "weight": W}, either optional
     GET  /events?after=&vf=&wait= events newer than `after` (long-poll up to `wait` s)
     GET  /metrics                Prometheus text format
 
@@ -23,8 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from gpuvirt.errors import GpuvirtError
+from gpuvirt.config import parse_vf_settings
+from gpuvirt.errors import ConfigError, GpuvirtError
 from gpuvirt.host.events import Category
+from gpuvirt.host.reconfig import set_vf
 
 if TYPE_CHECKING:
     from gpuvirt.host.daemon import Host
@@ -98,9 +101,13 @@ class AdminServer:
 
             data, ctype = render(self.host)
             return HTTPStatus.OK, ctype, data
-        return HTTPStatus.OK, "application/json", _json(await self._route(method, parts, query))
+        body = await _read_body(reader, head)
+        result = await self._route(method, parts, query, body)
+        return HTTPStatus.OK, "application/json", _json(result)
 
-    async def _route(self, method: str, parts: list[str], query: dict[str, str]) -> Any:
+    async def _route(
+        self, method: str, parts: list[str], query: dict[str, str], body: bytes = b""
+    ) -> Any:
         host = self.host
         if method == "GET" and parts == ["status"]:
             return host.status()
@@ -121,6 +128,8 @@ class AdminServer:
             vf = self._vf(parts[1])
             if method == "GET" and len(parts) == 2:
                 return host.vf_status(vf)
+            if method == "POST" and parts[2:] == ["set"]:
+                return await self._set(vf, body)
             if method == "POST" and len(parts) == 3:
                 return await self._action(vf, parts[2])
         raise HttpError(HTTPStatus.NOT_FOUND, f"no such endpoint: {method} /{'/'.join(parts)}")
@@ -156,6 +165,42 @@ class AdminServer:
         except GpuvirtError as e:
             raise HttpError(HTTPStatus.CONFLICT, str(e)) from None
         return host.vf_status(vf)
+
+    async def _set(self, vf: Any, body: bytes) -> Any:
+        where = f"POST /vf/{vf.index}/set"
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"{where}: the body is not JSON: {e}") from None
+        try:
+            await set_vf(self.host, vf, parse_vf_settings(data, where))
+        except ConfigError as e:
+            raise HttpError(HTTPStatus.BAD_REQUEST, str(e)) from None
+        except GpuvirtError as e:
+            raise HttpError(HTTPStatus.CONFLICT, str(e)) from None
+        return self.host.vf_status(vf)
+
+
+async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
+    """The request body, as long as Content-Length says (no chunked encoding)."""
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            raise HttpError(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length")
+        if name == b"content-length":
+            try:
+                length = int(value.strip())
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_REQUEST:
+                raise HttpError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"Content-Length {value.strip().decode(errors='replace')!r}: "
+                    f"must be 0..{MAX_REQUEST}",
+                )
+    return await asyncio.wait_for(reader.readexactly(length), 10) if length else b""
 
 
 def _json(obj: Any) -> bytes:

@@ -58,7 +58,9 @@ class Host:
         self.state_dir = config.host.state_path()
         self.events = EventLog(self.state_dir / "events.jsonl")
         self.device = make_device(config.device.backend)
-        plans = config.vf_layout(self.device.total_fb())
+        # Taken once: on cuda total_fb() is the free memory, which the VFs then use up.
+        self.fb_total = config.effective_fb_total(self.device.total_fb())
+        plans = config.vf_layout(self.fb_total)
         self.vfm = VFManager(
             [VF(p.index, p, load_or_create_token(p.token_file)) for p in plans], self.events
         )
@@ -202,10 +204,10 @@ class Host:
         self.vfm.transition(vf, S.AVAIL, reason)
         return True
 
-    def renew_fb(self, vf: VF) -> None:
+    def renew_fb(self, vf: VF, size: int | None = None) -> None:
         """Scrub the FB and hand the next tenant a fresh one (see Device.renew_fb)."""
         self._info.pop(vf.index).close()
-        fd = self.device.renew_fb(vf.index)
+        fd = self.device.renew_fb(vf.index, size)
         self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
 
     async def kill_engine(self, vf: VF) -> None:

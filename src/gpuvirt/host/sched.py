@@ -74,6 +74,7 @@ class Entry:
     switches_in: int = 0
     candidate: bool = False
     left_at: int = 0  # when it last stopped being a candidate (weighted)
+    next_weight: float | None = None  # set while running: takes effect when the slice ends
 
     @property
     def has_guest(self) -> bool:
@@ -149,6 +150,10 @@ class Scheduler:
         """Take a VF off the schedule; done once its engine is idle (or dead)."""
         return self._call(self._op_remove, vf)
 
+    def set_weight(self, vf: int, weight: float) -> Future[None]:
+        """`weighted`: the VF's share from its next slice on (the running one keeps its own)."""
+        return self._call(self._op_set_weight, vf, weight)
+
     def set_guest(self, vf: int, doorbell: int | None) -> Future[None]:
         return self._call(self._op_set_guest, vf, doorbell)
 
@@ -166,6 +171,7 @@ class Scheduler:
                 "switches_in": e.switches_in,
                 "running": e is cur,
                 "weight": e.weight,
+                "next_weight": e.next_weight,
                 "pending": e.pending() if e.has_guest else 0,
                 "submitted": e.submitted,
                 "received": e.engine.status[Word.RECEIVED],
@@ -425,6 +431,8 @@ class Scheduler:
         ran = max(0, now - e.run_start)
         e.device_ns += ran
         e.vtime += ran / e.weight
+        if e.next_weight is not None:
+            e.weight, e.next_weight = e.next_weight, None
         e.debt_ns = max(0, ran - e.slice_ns)
         self._check_kernel(e, now, running=False)
 
@@ -516,6 +524,15 @@ class Scheduler:
             if v == vf:
                 fut.set_exception(DeviceError(f"VF{vf} left the schedule before it got the device"))
         self._exclusive_waiters = [(v, f) for v, f in self._exclusive_waiters if v != vf]
+
+    def _op_set_weight(self, vf: int, weight: float) -> None:
+        e = self.entries.get(vf)
+        if e is None:
+            return  # off the schedule: it comes back with the VF's plan weight
+        if e is self.current:
+            e.next_weight = weight
+        else:
+            e.weight = weight
 
     def _op_set_guest(self, vf: int, doorbell: int | None) -> None:
         e = self.entries[vf]

@@ -1,0 +1,99 @@
+"""VFs reconfigured at run time (`gpuvirt vf set N --fb SIZE --weight W`).
+
+The FB changes only while the VF has no guest: it is re-carved and scrubbed
+(the whole FB goes, a new one of the new size replaces it, a fresh engine
+starts on it), and every VF's FB together with the PF's reserve must still fit
+the device. The weight changes at any time; the scheduler uses it from the
+VF's next slice. Each change is one ADMIN event carrying old and new values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from gpuvirt.config import VFSettings, format_size
+from gpuvirt.errors import ConfigError, DeviceError
+from gpuvirt.host.events import Category
+from gpuvirt.host.vfmgr import VF, VFState
+
+if TYPE_CHECKING:
+    from gpuvirt.host.daemon import Host
+
+S = VFState
+# A guest holds the VF (or is attaching to it); its FB must stay as it is.
+_GUEST_HELD = frozenset({S.FULLACCESS, S.ACTIVE, S.SUSPEND})
+
+
+async def set_vf(host: Host, vf: VF, settings: VFSettings, caller: str = "admin") -> None:
+    """Apply `settings` to `vf`. ConfigError: a value that does not fit (400).
+    DeviceError: the VF's state forbids the change now (409)."""
+    async with host.lifecycle:
+        fb = settings.fb if settings.fb is not None and settings.fb != vf.fb else None
+        weight = (
+            settings.weight
+            if settings.weight is not None and settings.weight != vf.plan.weight
+            else None
+        )
+        if fb is not None:
+            _check_fb(host, vf, fb)
+        if fb is None and weight is None:
+            return
+        old = vf.plan
+        vf.plan = dataclasses.replace(
+            old,
+            fb=fb if fb is not None else old.fb,
+            weight=weight if weight is not None else old.weight,
+        )
+        changed: dict[str, Any] = {}
+        if weight is not None:
+            changed["weight"] = [old.weight, weight]
+            await asyncio.wrap_future(host.sched.set_weight(vf.index, weight))
+        if fb is not None:
+            changed["fb"] = [old.fb, fb]
+            await _recarve(host, vf, fb)
+        text = ", ".join(
+            f"fb {format_size(a)} → {format_size(b)}" if k == "fb" else f"weight {a:g} → {b:g}"
+            for k, (a, b) in changed.items()
+        )
+        host.events.emit(
+            Category.ADMIN, "set", f"{caller}: VF{vf.index} {text}", vf.index,
+            caller=caller, **changed,
+        )  # fmt: skip
+
+
+def _check_fb(host: Host, vf: VF, fb: int) -> None:
+    if vf.conn is not None or vf.state in _GUEST_HELD:
+        pid = f" (pid {vf.guest_pid})" if vf.guest_pid else ""
+        raise DeviceError(
+            f"fb = {format_size(fb)}: VF{vf.index} has a guest{pid} ({vf.state}); its FB "
+            "can change only while it has none: detach the guest, or "
+            f"`gpuvirt vf disable {vf.index}` first"
+        )
+    if vf.state == S.RESETTING:
+        raise DeviceError(
+            f"fb = {format_size(fb)}: VF{vf.index} is RESETTING; try again once it is AVAIL"
+        )
+    others = sum(v.fb for v in host.vfm.vfs if v is not vf)
+    pf_fb = host.config.device.pf_fb
+    room = host.fb_total - pf_fb - others
+    if fb > room:
+        raise ConfigError(
+            f"fb = {format_size(fb)}: does not fit the device: fb_total "
+            f"{format_size(host.fb_total)} less device.pf_fb {format_size(pf_fb)} and the "
+            f"other VFs' {format_size(others)} leaves {format_size(max(room, 0))} for VF{vf.index}"
+        )
+
+
+async def _recarve(host: Host, vf: VF, fb: int) -> None:
+    if vf.state == S.UNAVAIL:
+        return  # no FB now; `vf enable` carves the new size
+    if vf.state != S.AVAIL:
+        host.renew_fb(vf, fb)  # QUARANTINED or FAILED: no engine holds the FB
+        return
+    host.vfm.transition(vf, S.RESETTING, f"FB re-carved to {format_size(fb)}")
+    await host.off_schedule(vf)
+    await host.kill_engine(vf)
+    host.renew_fb(vf, fb)
+    await host.bring_up(vf, f"FB re-carved to {format_size(fb)} and scrubbed")
