@@ -16,14 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuvirt.config import MIN_VF_FB, format_size, parse_size
+from gpuvirt.config import format_size, parse_vf_settings
+from gpuvirt.errors import ConfigError
 
 DRIVER = "gpuvirt.io"
 API_VERSION = "gpuvirt.io/v1"
 KIND = "VfConfig"
-# Beyond 1000:1 the lighter VF would wait seconds between 6 ms slices.
-MAX_WEIGHT = 1000
-KEYS = ("apiVersion", "kind", "fb", "weight")
 
 
 class ClaimError(ValueError):
@@ -33,9 +31,9 @@ class ClaimError(ValueError):
 @dataclass(frozen=True, slots=True)
 class VfConfig:
     fb: int | None = None  # bytes
-    weight: int | None = None
+    weight: float | None = None
 
-    def as_admin(self) -> dict[str, int]:
+    def as_admin(self) -> dict[str, int | float]:
         """The body of the host's `POST /vf/N/set`."""
         return {k: v for k, v in (("fb", self.fb), ("weight", self.weight)) if v is not None}
 
@@ -51,7 +49,11 @@ class Wanted:
 
 
 def parse_config(params: Any, fb_limit: int, where: str = "parameters") -> VfConfig:
-    """A VfConfig from one opaque parameters object; `fb_limit` is the most FB one VF can have."""
+    """A VfConfig from one opaque parameters object; `fb_limit` is the most FB one VF can have.
+
+    fb and weight follow the host's own rules for a VF (config.parse_vf_settings,
+    as `gpuvirt vf set` does); apiVersion and kind are checked here.
+    """
     if isinstance(params, str | bytes):
         try:
             params = json.loads(params)
@@ -62,44 +64,20 @@ def parse_config(params: Any, fb_limit: int, where: str = "parameters") -> VfCon
             f"{where} = {_show(params)}: expected an object such as "
             '{"fb": "4GiB", "weight": 3}'
         )
-    for key, value in params.items():
-        if key not in KEYS:
-            raise ClaimError(
-                f"{where}.{key} = {_show(value)}: unknown key; {DRIVER} takes fb and weight"
-                f" (and apiVersion {API_VERSION}, kind {KIND})"
-            )
     for key, expected in (("apiVersion", API_VERSION), ("kind", KIND)):
         if key in params and params[key] != expected:
-            raise ClaimError(f"{where}.{key} = {_show(params[key])}: must be {expected!r}")
-    return VfConfig(
-        fb=_fb(params["fb"], fb_limit, where) if "fb" in params else None,
-        weight=_weight(params["weight"], where) if "weight" in params else None,
-    )
-
-
-def _fb(value: Any, limit: int, where: str) -> int:
+            raise ClaimError(f"{where}: {key} = {_show(params[key])}: must be {expected!r}")
+    settings = {k: v for k, v in params.items() if k not in ("apiVersion", "kind")}
     try:
-        fb = parse_size(value)
-    except ValueError as e:
-        raise ClaimError(f"{where}.fb = {_show(value)}: {e}") from None
-    if fb < MIN_VF_FB:
+        parsed = parse_vf_settings(settings, where)
+    except ConfigError as e:
+        raise ClaimError(str(e)) from None
+    if parsed.fb is not None and parsed.fb > fb_limit:
         raise ClaimError(
-            f"{where}.fb = {_show(value)}: below the smallest VF FB, {format_size(MIN_VF_FB)}"
+            f"{where}: fb = {_show(params['fb'])}: larger than the device, whose VFs have "
+            f"{format_size(fb_limit)} of FB in all"
         )
-    if fb > limit:
-        raise ClaimError(
-            f"{where}.fb = {_show(value)}: larger than the device, whose VFs have "
-            f"{format_size(limit)} of FB in all"
-        )
-    return fb
-
-
-def _weight(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ClaimError(f"{where}.weight = {_show(value)}: must be a whole number 1..{MAX_WEIGHT}")
-    if not 1 <= value <= MAX_WEIGHT:
-        raise ClaimError(f"{where}.weight = {value}: out of range 1..{MAX_WEIGHT}")
-    return value
+    return VfConfig(fb=parsed.fb, weight=parsed.weight)
 
 
 def wanted(claim: Mapping[str, Any], node: str, fb_limit: int) -> list[Wanted]:
