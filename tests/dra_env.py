@@ -159,7 +159,7 @@ def claim(
                 "requests": [
                     {"name": "vf", "exactly": {"deviceClassName": "vf.gpuvirt.io",
                                                "count": len(devices)}}
-                ],  # fmt: skip
+                ],
                 "config": [
                     {"requests": ["vf"], "opaque": {"driver": DRIVER, "parameters": parameters}}
                 ]
@@ -181,7 +181,7 @@ def claim(
                         {"matchFields": [
                             {"key": "metadata.name", "operator": "In", "values": [node]}]}
                     ]
-                },  # fmt: skip
+                },
             }
         },
     }
@@ -200,10 +200,11 @@ def cdi_device(cdi_dir: Path, cdi_id: str) -> dict[str, Any]:
     return found[0]
 
 
-def run_in_container(edits: dict[str, Any], code: str, timeout: float = 60) -> str:
-    """Run Python `code` as a container would with these CDI containerEdits: a fresh
+def container(edits: dict[str, Any], code: str) -> subprocess.Popen[str]:
+    """Python `code` run as a container would be with these CDI containerEdits: a fresh
     mount namespace (bubblewrap) where the node's /tmp, /run and /var are hidden, only
-    the edits' mounts and env reach in, and nothing else of the host's environment."""
+    the edits' mounts and env reach in, and nothing else of the host's environment.
+    Its stdin and stdout are pipes."""
     argv = [
         "bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc",
         "--ro-bind", "/", "/", "--tmpfs", "/tmp", "--tmpfs", "/run", "--tmpfs", "/var",
@@ -211,16 +212,15 @@ def run_in_container(edits: dict[str, Any], code: str, timeout: float = 60) -> s
         "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
     ]  # fmt: skip
     for m in edits.get("mounts", []):
-        opts = m.get("options", [])
-        flag = "--ro-bind" if "ro" in opts else "--bind"
+        flag = "--ro-bind" if "ro" in m.get("options", []) else "--bind"
         argv += [flag, m["hostPath"], m["containerPath"]]
     for e in edits.get("env", []):
         k, v = e.split("=", 1)
         argv += ["--setenv", k, v]
     argv += [sys.executable, "-c", code]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"container failed ({out.returncode}):\n{out.stderr}"
-    return out.stdout
+    return subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 @contextlib.contextmanager

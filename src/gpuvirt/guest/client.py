@@ -385,7 +385,8 @@ def attach(
     on_reset: Callable[[Gpu], None] | None = None,
     timeout: float = REPLY_TIMEOUT_S,
 ) -> Gpu:
-    """Attach to a VF. Defaults come from GPUVIRT_VF, GPUVIRT_SOCKET, GPUVIRT_TOKEN."""
+    """Attach to a VF. Defaults come from GPUVIRT_VF, GPUVIRT_SOCKET, and GPUVIRT_TOKEN or
+    else GPUVIRT_TOKEN_FILE (a file holding the token, as a Kubernetes device plugin mounts it)."""
     import socket as socket_mod
 
     from gpuvirt.config import load_config
@@ -402,9 +403,7 @@ def attach(
         except ValueError:
             raise GpuvirtError(f"GPUVIRT_VF={env!r}: not a VF index") from None
     if token is None:
-        token = os.environ.get("GPUVIRT_TOKEN")
-        if token is None:
-            raise GpuvirtError("no token given: pass token= or set GPUVIRT_TOKEN")
+        token = os.environ.get("GPUVIRT_TOKEN") or _token_from_file()
     raw = parse_token(token)
     sock = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
     try:
@@ -431,3 +430,22 @@ def attach(
         gpu._teardown(DetachedError(f"attach to VF{vf} failed"))
         raise
     return gpu
+
+
+def _token_from_file() -> bytes:
+    path = os.environ.get("GPUVIRT_TOKEN_FILE")
+    if not path:
+        raise GpuvirtError(
+            "no token given: pass token=, or set GPUVIRT_TOKEN or GPUVIRT_TOKEN_FILE"
+        )
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4096)
+    except OSError as e:
+        raise GpuvirtError(
+            f"GPUVIRT_TOKEN_FILE={path!r}: cannot read it: {e.strerror or e}"
+        ) from None
+    try:
+        return parse_token(data)
+    except GpuvirtError as e:
+        raise GpuvirtError(f"GPUVIRT_TOKEN_FILE={path!r}: {e}") from None

@@ -432,6 +432,7 @@ class Host:
             "fb_used": vf.vf2pf.get("fb_used", 0),
             "fb_resident": self.device.fb_resident(vf.index) if vf.state != S.UNAVAIL else 0,
             "weight": vf.plan.weight,
+            "token_file": str(vf.plan.token_file),
             "configured_share": round(configured.get(vf.index, 0.0), 4),
             "achieved_share": round(achieved.get(vf.index, 0.0), 4),
             "device_ms": round(s.get("device_ns", 0) / 1e6, 3),
