@@ -26,10 +26,10 @@ from typing import Any
 import grpc
 
 from gpuvirt.host.process import HostProcess
-from gpuvirt.k8s.proto.dra_v1 import api_pb2 as dra
-from gpuvirt.k8s.proto.dra_v1 import api_pb2_grpc as dra_grpc
-from gpuvirt.k8s.proto.pluginregistration_v1 import api_pb2 as reg
-from gpuvirt.k8s.proto.pluginregistration_v1 import api_pb2_grpc as reg_grpc
+from gpuvirt.k8s.proto.dra.v1 import api_pb2 as dra
+from gpuvirt.k8s.proto.dra.v1 import api_pb2_grpc as dra_grpc
+from gpuvirt.k8s.proto.pluginregistration.v1 import api_pb2 as reg
+from gpuvirt.k8s.proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from k8s_apiserver import ApiServer
 
 DRIVER = "gpuvirt.io"

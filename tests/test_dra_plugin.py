@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import gpuvirt
-from dra_env import DRIVER, Kubelet, Plugin, cdi_device, claim, container, node
+from dra_env import DRIVER, Kubelet, cdi_device, claim, container, node
 from gpuvirt.config import MiB
-from helpers import MakeHost, last_seq, wait_event, wait_state
+from helpers import MakeHost, last_seq, wait_event
 
 log = logging.getLogger("test_dra")
 pytestmark = pytest.mark.timeout(180)
@@ -163,3 +164,146 @@ with gpuvirt.attach() as gpu:
     print(json.dumps({"fb_size": gpu.fb_size, "sum": total}), flush=True)
     sys.stdin.readline()  # attached until the test has looked at the host
 """
+
+
+def _set_events(hp: Any, vf: int) -> list[dict[str, Any]]:
+    return [e for e in hp.admin.events(after=0, vf=vf) if e["kind"] == "set"]
+
+
+def test_prepare_and_unprepare_are_idempotent_across_a_plugin_restart(
+    make_host: MakeHost, tmp_path: Path
+) -> None:
+    with node(make_host, tmp_path, **HOST) as n:
+        n.kubelet.register()
+        c = n.api.put_claim(claim(n.name, ["vf0"], {"fb": "64MiB", "weight": 2}))
+        uid = c["metadata"]["uid"]
+        first = n.kubelet.prepare(c).claims[uid]
+        assert first.error == ""
+        assert n.kubelet.prepare(c).claims[uid] == first  # asked again: the same answer
+        assert len(_set_events(n.host, 0)) == 1  # ... and the VF set once
+
+        # The plugin dies without cleaning up; the kubelet's next plugin finds the claim.
+        assert n.plugin.stop(signal.SIGKILL) == -signal.SIGKILL
+        (n.plugin.cdi_dir / f"{DRIVER}-vf_{uid}.json").unlink()  # a runtime dir wiped meanwhile
+        n.plugin.start()
+        assert "1 prepared claim(s) from the checkpoint" in n.plugin.ready_line
+        kubelet = Kubelet(n.plugin.registry_dir)
+        kubelet.register()
+        try:
+            again = kubelet.prepare(c).claims[uid]
+            assert again == first
+            assert len(_set_events(n.host, 0)) == 1
+            assert cdi_device(n.plugin.cdi_dir, first.devices[0].cdi_device_ids[0])
+            assert kubelet.unprepare(c).claims[uid].error == ""
+            vf = n.host.admin.vf(0)
+            assert (vf["fb_total"], vf["weight"]) == (32 * MiB, 1)
+            # Restarted once more: the claim is gone from the checkpoint too.
+            n.plugin.stop()
+            n.plugin.start()
+            assert "0 prepared claim(s)" in n.plugin.ready_line
+        finally:
+            kubelet.close()
+
+
+def test_a_damaged_checkpoint_is_refused_with_its_path(make_host: MakeHost, tmp_path: Path) -> None:
+    with node(make_host, tmp_path, **HOST) as n:
+        n.kubelet.register()
+        c = n.api.put_claim(claim(n.name, ["vf0"], {"weight": 2}))
+        assert n.kubelet.prepare(c).claims[c["metadata"]["uid"]].error == ""
+        n.plugin.stop()
+        ckpt = n.plugin.plugin_dir / "checkpoint.json"
+        text = ckpt.read_text()
+        assert '"vf": 0' in text
+        ckpt.write_text(text.replace('"vf": 0', '"vf": 1'))  # valid JSON, wrong contents
+        with pytest.raises(AssertionError, match="plugin exited with 1"):
+            n.plugin.start()
+        said = "".join(n.plugin.log.read_text().split())  # the terminal may fold it
+        assert "".join(f"checkpoint {ckpt}: checksum or version mismatch".split()) in said
+
+
+def test_concurrent_claims_never_share_a_vf(make_host: MakeHost, tmp_path: Path) -> None:
+    with node(make_host, tmp_path, **HOST) as n:
+        n.kubelet.register()
+        # A stale scheduler view: two claims allocated the same VF, prepared at once.
+        a, b = (n.api.put_claim(claim(n.name, ["vf1"], {"weight": w})) for w in (2, 4))
+        results: dict[str, Any] = {}
+
+        def prepare(c: dict[str, Any]) -> None:
+            results[c["metadata"]["uid"]] = n.kubelet.prepare(c).claims[c["metadata"]["uid"]]
+
+        threads = [threading.Thread(target=prepare, args=(c,)) for c in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        errors = sorted(r.error for r in results.values())
+        assert errors[0] == "" and "VF1 is prepared for claim default/" in errors[1], errors
+        winner = a if results[a["metadata"]["uid"]].error == "" else b
+        weight = winner["spec"]["devices"]["config"][0]["opaque"]["parameters"]["weight"]
+        assert n.host.admin.vf(1)["weight"] == weight
+        loser = b if winner is a else a
+        # The loser's unprepare (the kubelet sends it) must not free the winner's VF.
+        assert n.kubelet.unprepare(loser).claims[loser["metadata"]["uid"]].error == ""
+        assert n.host.admin.vf(1)["weight"] == weight
+
+        # Claims on different VFs, in one call and concurrently: each gets its own.
+        c0, c1 = (n.api.put_claim(claim(n.name, [f"vf{i}"])) for i in (0, 1))
+        assert n.kubelet.unprepare(winner).claims[winner["metadata"]["uid"]].error == ""
+        resp = n.kubelet.prepare(c0, c1)
+        got = {resp.claims[c["metadata"]["uid"]].devices[0].device_name for c in (c0, c1)}
+        assert got == {"vf0", "vf1"}
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"fb": "64MiB", "colour": "red"}, 'colour = "red": unknown key'),
+        ({"fbb": "1GiB"}, 'fbb = "1GiB": unknown key; did you mean fb?'),
+        ({"fb": "64GiB"}, "fb = 64 GiB: does not fit the device"),
+        ({"fb": "8KiB"}, 'fb = "8KiB": must be at least 1 MiB'),
+        ({"weight": 0}, "weight = 0: must be greater than 0"),
+        ({"weight": "heavy"}, 'weight = "heavy": expected a number'),
+        ({"kind": "GpuConfig"}, "kind = \"GpuConfig\": must be 'VfConfig'"),
+    ],
+)
+def test_a_bad_parameter_fails_that_claim_only(
+    make_host: MakeHost, tmp_path: Path, params: dict[str, Any], expected: str
+) -> None:
+    with node(make_host, tmp_path, **HOST) as n:
+        n.kubelet.register()
+        bad = n.api.put_claim(claim(n.name, ["vf0"], params))
+        good = n.api.put_claim(claim(n.name, ["vf1"], {"weight": 2}))
+        resp = n.kubelet.prepare(bad, good)
+        error = resp.claims[bad["metadata"]["uid"]].error
+        assert expected in error, error
+        assert f"claim default/{bad['metadata']['name']}" in error
+        assert resp.claims[good["metadata"]["uid"]].error == ""
+        # The bad claim left nothing behind: VF0 as it was, free for the next claim.
+        vf0 = n.host.admin.vf(0)
+        assert (vf0["fb_total"], vf0["weight"]) == (32 * MiB, 1)
+        retry = n.api.put_claim(claim(n.name, ["vf0"], {"weight": 3}))
+        assert n.kubelet.prepare(retry).claims[retry["metadata"]["uid"]].error == ""
+        assert n.plugin.proc is not None and n.plugin.proc.poll() is None
+
+
+def test_claims_the_driver_cannot_serve_fail_with_the_reason(
+    make_host: MakeHost, tmp_path: Path
+) -> None:
+    with node(make_host, tmp_path, **HOST) as n:
+        n.kubelet.register()
+        missing = claim(n.name, ["vf0"], name="never-stored")
+        elsewhere = n.api.put_claim(claim("other-node", ["vf0"]))
+        not_ours = n.api.put_claim(claim(n.name, ["gpu7"]))
+        stale = n.api.put_claim(claim(n.name, ["vf0"]))
+        stale = {**stale, "metadata": {**stale["metadata"], "uid": "0000-old"}}
+        resp = n.kubelet.prepare(missing, elsewhere, not_ours, stale)
+
+        def error(c: dict[str, Any]) -> str:
+            return resp.claims[c["metadata"]["uid"]].error
+
+        assert 'resourceclaims "never-stored" not found' in error(missing)
+        assert f"has no {DRIVER} device on node {n.name!r}" in error(elsewhere)
+        assert "(its devices are in pools other-node)" in error(elsewhere)
+        assert "allocated device 'gpu7' is not a VF of this node (it has vf0..vf1)" in error(not_ours)
+        assert "it was deleted and made again" in error(stale)
+        assert n.plugin.proc is not None and n.plugin.proc.poll() is None

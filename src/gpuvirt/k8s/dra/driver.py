@@ -22,10 +22,10 @@ import grpc
 from gpuvirt.errors import GpuvirtError
 from gpuvirt.k8s.dra.params import DRIVER
 from gpuvirt.k8s.dra.state import ClaimRef, State
-from gpuvirt.k8s.proto.dra_v1 import api_pb2 as dra
-from gpuvirt.k8s.proto.dra_v1 import api_pb2_grpc as dra_grpc
-from gpuvirt.k8s.proto.pluginregistration_v1 import api_pb2 as reg
-from gpuvirt.k8s.proto.pluginregistration_v1 import api_pb2_grpc as reg_grpc
+from gpuvirt.k8s.proto.dra.v1 import api_pb2 as dra
+from gpuvirt.k8s.proto.dra.v1 import api_pb2_grpc as dra_grpc
+from gpuvirt.k8s.proto.pluginregistration.v1 import api_pb2 as reg
+from gpuvirt.k8s.proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
 log = logging.getLogger("gpuvirt.k8s.dra")
 
@@ -93,7 +93,7 @@ class DRAPlugin(dra_grpc.DRAPluginServicer):
 
 
 def _failed(what: str, c: dra.Claim, e: Exception) -> str:
-    if isinstance(e, GpuvirtError | ValueError):
+    if isinstance(e, GpuvirtError):
         message = str(e)
         log.warning("%s claim %s/%s (%s) failed: %s", what, c.namespace, c.name, c.uid, message)
     else:

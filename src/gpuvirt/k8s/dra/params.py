@@ -16,15 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuvirt.config import format_size, parse_vf_settings
-from gpuvirt.errors import ConfigError
+from gpuvirt.config import parse_vf_settings
+from gpuvirt.errors import ConfigError, GpuvirtError
 
 DRIVER = "gpuvirt.io"
 API_VERSION = "gpuvirt.io/v1"
 KIND = "VfConfig"
 
 
-class ClaimError(ValueError):
+class ClaimError(GpuvirtError):
     """This claim cannot be prepared; the message says why. Never fatal to the plugin."""
 
 
@@ -48,11 +48,13 @@ class Wanted:
     config: VfConfig
 
 
-def parse_config(params: Any, fb_limit: int, where: str = "parameters") -> VfConfig:
-    """A VfConfig from one opaque parameters object; `fb_limit` is the most FB one VF can have.
+def parse_config(params: Any, where: str = "parameters") -> VfConfig:
+    """A VfConfig from one opaque parameters object.
 
     fb and weight follow the host's own rules for a VF (config.parse_vf_settings,
-    as `gpuvirt vf set` does); apiVersion and kind are checked here.
+    as `gpuvirt vf set` does); apiVersion and kind are checked here. Whether an
+    fb fits the device (beside the other VFs) only the host can say, when the
+    driver asks it to set the VF; its refusal fails the claim the same way.
     """
     if isinstance(params, str | bytes):
         try:
@@ -72,15 +74,10 @@ def parse_config(params: Any, fb_limit: int, where: str = "parameters") -> VfCon
         parsed = parse_vf_settings(settings, where)
     except ConfigError as e:
         raise ClaimError(str(e)) from None
-    if parsed.fb is not None and parsed.fb > fb_limit:
-        raise ClaimError(
-            f"{where}: fb = {_show(params['fb'])}: larger than the device, whose VFs have "
-            f"{format_size(fb_limit)} of FB in all"
-        )
     return VfConfig(fb=parsed.fb, weight=parsed.weight)
 
 
-def wanted(claim: Mapping[str, Any], node: str, fb_limit: int) -> list[Wanted]:
+def wanted(claim: Mapping[str, Any], node: str) -> list[Wanted]:
     """This node's devices of this driver in `claim`'s allocation, each with its merged config."""
     name = _claim_name(claim)
     allocation = (claim.get("status") or {}).get("allocation")
@@ -106,14 +103,14 @@ def wanted(claim: Mapping[str, Any], node: str, fb_limit: int) -> list[Wanted]:
             if _applies(c.get("requests") or [], result["request"]):
                 params = c["opaque"].get("parameters")
                 where = f"claim {name}: config[{i}] ({c.get('source', '?')}) parameters"
-                parse_config(params, fb_limit, where)  # each one checked where it was written
+                parse_config(params, where)  # each one checked where it was written
                 merged.update(params if isinstance(params, Mapping) else json.loads(params))
         out.append(
             Wanted(
                 request=result["request"],
                 pool=result["pool"],
                 device=result["device"],
-                config=parse_config(merged, fb_limit, f"claim {name}: parameters"),
+                config=parse_config(merged, f"claim {name}: parameters"),
             )
         )
     return out

@@ -13,7 +13,6 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,19 +40,6 @@ class Options:
     kubeconfig: Path | None
 
 
-def token_files(config: HostConfig, host: AdminClient) -> Callable[[int], Path]:
-    """A VF's token file as the host has it (from the same configuration)."""
-
-    def token_file(index: int) -> Path:
-        total = None
-        if config.device.fb_total is None and config.device.backend != "emu":
-            # cuda sizes from the device; the host tells what it carved.
-            total = sum(v["fb_total"] for v in host.status()["vfs"]) + config.device.pf_fb
-        return config.vf_layout(total)[index].token_file
-
-    return token_file
-
-
 def run(config: HostConfig, opts: Options) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
@@ -61,7 +47,7 @@ def run(config: HostConfig, opts: Options) -> int:
     host = AdminClient(config.host.admin_address(create=False))
     kube = Kube(api_client(opts.kubeconfig))
     checkpoint = Checkpoint(opts.plugin_dir / CHECKPOINT).load()
-    node = Node(opts.node, config.host.socket_path(create=False), token_files(config, host))
+    node = Node(opts.node, config.host.socket_path(create=False))
     state = State(node, host, kube.claim, checkpoint, opts.cdi_dir)
 
     stop = threading.Event()

@@ -57,7 +57,6 @@ class Node:
 
     name: str
     socket: Path  # the host's mailbox socket
-    token_file: Callable[[int], Path]  # a VF's token file
 
 
 class State:
@@ -103,8 +102,7 @@ class State:
             )
         status = self.host.status()
         vfs = status["vfs"]
-        fb_limit = sum(v["fb_total"] for v in vfs)
-        wants = wanted(claim, self.node.name, fb_limit)
+        wants = wanted(claim, self.node.name)
         devices = []
         for w in wants:
             index = vf_index(w.device, len(vfs))
@@ -115,7 +113,7 @@ class State:
         self.checkpoint.save()
         try:
             for w, d in zip(wants, devices, strict=True):
-                self._configure(d.vf, w.config)
+                self._configure(ref, d.vf, w.config)
             self._write_cdi(ref.uid, entry)
         except (GpuvirtError, OSError) as e:
             self._restore(entry)
@@ -151,20 +149,24 @@ class State:
             device=w.device,
             vf=index,
             cdi_ids=[cdi.device_id(ref.uid, index)],
+            token_file=vf["token_file"],
             previous={"fb": vf["fb_total"], "weight": vf["weight"]},
         )
 
-    def _configure(self, index: int, config: VfConfig) -> None:
+    def _configure(self, ref: ClaimRef, index: int, config: VfConfig) -> None:
         body = config.as_admin()
         if body:
             try:
                 self.host.vf_set(index, **body)
             except GpuvirtError as e:
-                raise ClaimError(f"the host refused {body} for VF{index}: {e}") from None
+                raise ClaimError(
+                    f"claim {ref.namespace}/{ref.name}: parameters for VF{index} refused by"
+                    f" the host: {e}"
+                ) from None
 
     def _write_cdi(self, uid: str, entry: ClaimEntry) -> None:
         mounts = [
-            cdi.VfMount(d.vf, self.node.socket, self.node.token_file(d.vf)) for d in entry.devices
+            cdi.VfMount(d.vf, self.node.socket, Path(d.token_file)) for d in entry.devices
         ]
         cdi.write_spec(self.cdi_dir, uid, mounts)
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from gpuvirt.k8s.proto.pluginregistration_v1 import api_pb2 as gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2
+from gpuvirt.k8s.proto.pluginregistration.v1 import api_pb2 as gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in gpuvirt/k8s/proto/pluginregistration_v1/api_pb2_grpc.py depends on'
+        + ' but the generated code in gpuvirt/k8s/proto/pluginregistration/v1/api_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class RegistrationStub:
         """
         self.GetInfo = channel.unary_unary(
                 '/pluginregistration.Registration/GetInfo',
-                request_serializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.InfoRequest.SerializeToString,
-                response_deserializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.PluginInfo.FromString,
+                request_serializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
+                response_deserializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
                 _registered_method=True)
         self.NotifyRegistrationStatus = channel.unary_unary(
                 '/pluginregistration.Registration/NotifyRegistrationStatus',
-                request_serializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.RegistrationStatus.SerializeToString,
-                response_deserializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.RegistrationStatusResponse.FromString,
+                request_serializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
+                response_deserializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_RegistrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.InfoRequest.FromString,
-                    response_serializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.PluginInfo.SerializeToString,
+                    request_deserializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.FromString,
+                    response_serializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.SerializeToString,
             ),
             'NotifyRegistrationStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.NotifyRegistrationStatus,
-                    request_deserializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.RegistrationStatus.FromString,
-                    response_serializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.RegistrationStatusResponse.SerializeToString,
+                    request_deserializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.FromString,
+                    response_serializer=gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,8 +103,8 @@ class Registration:
             request,
             target,
             '/pluginregistration.Registration/GetInfo',
-            gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.InfoRequest.SerializeToString,
-            gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.PluginInfo.FromString,
+            gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
+            gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +130,8 @@ class Registration:
             request,
             target,
             '/pluginregistration.Registration/NotifyRegistrationStatus',
-            gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.RegistrationStatus.SerializeToString,
-            gpuvirt_dot_k8s_dot_proto_dot_pluginregistration__v1_dot_api__pb2.RegistrationStatusResponse.FromString,
+            gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
+            gpuvirt_dot_k8s_dot_proto_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
