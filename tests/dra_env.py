@@ -157,8 +157,10 @@ def claim(
         "spec": {
             "devices": {
                 "requests": [
-                    {"name": "vf", "exactly": {"deviceClassName": "vf.gpuvirt.io",
-                                               "count": len(devices)}}
+                    {
+                        "name": "vf",
+                        "exactly": {"deviceClassName": "vf.gpuvirt.io", "count": len(devices)},
+                    }
                 ],
                 "config": [
                     {"requests": ["vf"], "opaque": {"driver": DRIVER, "parameters": parameters}}
@@ -178,8 +180,11 @@ def claim(
                 },
                 "nodeSelector": {
                     "nodeSelectorTerms": [
-                        {"matchFields": [
-                            {"key": "metadata.name", "operator": "In", "values": [node]}]}
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [node]}
+                            ]
+                        }
                     ]
                 },
             }

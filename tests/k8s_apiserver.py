@@ -52,11 +52,19 @@ def slice_rules(obj: dict[str, Any]) -> list[str]:
     spec = obj.get("spec", {})
     if not _dns_subdomain(spec.get("driver", "")):
         out.append(f"spec.driver {spec.get('driver')!r}: not a DNS subdomain")
-    where = [k for k in ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection") if spec.get(k)]
+    where = [
+        k for k in ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection") if spec.get(k)
+    ]
     if len(where) != 1:
-        out.append(f"spec: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection; got {where}")
+        out.append(
+            f"spec: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection; got {where}"
+        )
     pool = spec.get("pool", {})
-    if not pool.get("name") or pool.get("generation", -1) < 0 or pool.get("resourceSliceCount", 0) < 1:
+    if (
+        not pool.get("name")
+        or pool.get("generation", -1) < 0
+        or pool.get("resourceSliceCount", 0) < 1
+    ):
         out.append(f"spec.pool {pool}: needs a name, generation >= 0, resourceSliceCount >= 1")
     devices = spec.get("devices") or []
     if len(devices) > 128:
@@ -154,19 +162,28 @@ class ApiServer:
 
     def handle(self, method: str, path: str, query: dict[str, str], body: Any) -> tuple[int, Any]:
         parts = path.removeprefix(PREFIX).strip("/").split("/")
-        if method == "GET" and len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
+        if (
+            method == "GET"
+            and len(parts) == 4
+            and parts[0] == "namespaces"
+            and parts[2] == "resourceclaims"
+        ):
             claim = self.claims.get((parts[1], parts[3]))
             if claim is None:
                 return _status(HTTPStatus.NOT_FOUND, f'resourceclaims "{parts[3]}" not found')
             return 200, claim
         if parts[0] != "resourceslices":
-            return _status(HTTPStatus.NOT_FOUND, f"no such endpoint in the stand-in: {method} {path}")
+            return _status(
+                HTTPStatus.NOT_FOUND, f"no such endpoint in the stand-in: {method} {path}"
+            )
         with self.changed:
             result = self._slices(method, parts[1:], query, body)
             self.changed.notify_all()
         return result
 
-    def _slices(self, method: str, rest: list[str], query: dict[str, str], body: Any) -> tuple[int, Any]:
+    def _slices(
+        self, method: str, rest: list[str], query: dict[str, str], body: Any
+    ) -> tuple[int, Any]:
         if method == "GET" and not rest:
             want = dict(t.split("=", 1) for t in query.get("fieldSelector", "").split(",") if t)
             unknown = set(want) - {"spec.nodeName", "spec.driver"}
@@ -211,7 +228,9 @@ class ApiServer:
             if gone is None:
                 return _status(HTTPStatus.NOT_FOUND, f'resourceslices "{rest[0]}" not found')
             return 200, gone
-        return _status(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} {PREFIX}/resourceslices/{'/'.join(rest)}")
+        return _status(
+            HTTPStatus.METHOD_NOT_ALLOWED, f"{method} {PREFIX}/resourceslices/{'/'.join(rest)}"
+        )
 
 
 def _status(code: HTTPStatus, message: str) -> tuple[int, Any]:

@@ -23,7 +23,11 @@ DRA_VERSIONS = tuple(v for v in all_versions() if tuple(map(int, v.split(".")[:2
 
 
 def _dir(version: str) -> Any:
-    return resources.files("kubernetes_validate") / "kubernetes-json-schema" / f"v{version}-local-strict"
+    return (
+        resources.files("kubernetes_validate")
+        / "kubernetes-json-schema"
+        / f"v{version}-local-strict"
+    )
 
 
 @functools.cache

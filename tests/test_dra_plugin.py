@@ -39,7 +39,9 @@ def _attr(api: Any, name: str, vf: str, key: str) -> Any:
     return next(iter(a.values())) if a else None
 
 
-def test_registers_publishes_follows_and_removes_its_slice(make_host: MakeHost, tmp_path: Path) -> None:
+def test_registers_publishes_follows_and_removes_its_slice(
+    make_host: MakeHost, tmp_path: Path
+) -> None:
     with node(make_host, tmp_path, **HOST) as n:
         info = n.kubelet.register()
         assert info.type == "DRAPlugin"
@@ -304,6 +306,8 @@ def test_claims_the_driver_cannot_serve_fail_with_the_reason(
         assert 'resourceclaims "never-stored" not found' in error(missing)
         assert f"has no {DRIVER} device on node {n.name!r}" in error(elsewhere)
         assert "(its devices are in pools other-node)" in error(elsewhere)
-        assert "allocated device 'gpu7' is not a VF of this node (it has vf0..vf1)" in error(not_ours)
+        assert "allocated device 'gpu7' is not a VF of this node (it has vf0..vf1)" in error(
+            not_ours
+        )
         assert "it was deleted and made again" in error(stale)
         assert n.plugin.proc is not None and n.plugin.proc.poll() is None

@@ -17,7 +17,9 @@ def dra_plugin(
     config: ConfigOpt = None,
     node_name: Annotated[
         str | None,
-        typer.Option(help="This node's name in the cluster (default: $NODE_NAME, else the hostname)"),
+        typer.Option(
+            help="This node's name in the cluster (default: $NODE_NAME, else the hostname)"
+        ),
     ] = None,
     registry_dir: Annotated[
         Path, typer.Option(help="The kubelet's plugin registration directory")
@@ -30,7 +32,9 @@ def dra_plugin(
     ] = Path("/var/run/cdi"),
     kubeconfig: Annotated[
         Path | None,
-        typer.Option(help="API server access (default: the pod's service account, else $KUBECONFIG)"),
+        typer.Option(
+            help="API server access (default: the pod's service account, else $KUBECONFIG)"
+        ),
     ] = None,
 ) -> None:
     """Serve the DRA driver gpuvirt.io: publish this node's VFs, prepare claims for pods."""

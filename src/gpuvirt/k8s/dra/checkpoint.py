@@ -68,7 +68,9 @@ class Checkpoint:
             if ok:
                 self.claims = {uid: _entry(e) for uid, e in body.items()}
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint {self.path}: unreadable ({e}); move it away") from None
+            raise CheckpointError(
+                f"checkpoint {self.path}: unreadable ({e}); move it away"
+            ) from None
         if not ok:
             raise CheckpointError(
                 f"checkpoint {self.path}: checksum or version mismatch (written by another"

@@ -51,7 +51,9 @@ class Kube:
         try:
             resp = fn(*args, _preload_content=False, **kwargs)
         except ApiException as e:
-            raise KubeError(f"{what}: {e.status} {e.reason}: {_message(e.body)}", e.status) from None
+            raise KubeError(
+                f"{what}: {e.status} {e.reason}: {_message(e.body)}", e.status
+            ) from None
         except (OSError, urllib3.exceptions.HTTPError) as e:
             raise KubeError(f"{what}: API server unreachable ({e})") from None
         data = resp.data

@@ -63,8 +63,7 @@ def parse_config(params: Any, where: str = "parameters") -> VfConfig:
             raise ClaimError(f"{where}: not JSON ({e})") from None
     if not isinstance(params, Mapping):
         raise ClaimError(
-            f"{where} = {_show(params)}: expected an object such as "
-            '{"fb": "4GiB", "weight": 3}'
+            f'{where} = {_show(params)}: expected an object such as {{"fb": "4GiB", "weight": 3}}'
         )
     for key, expected in (("apiVersion", API_VERSION), ("kind", KIND)):
         if key in params and params[key] != expected:

@@ -31,7 +31,9 @@ def slice_name(node: str) -> str:
     return f"{node}-{DRIVER}"
 
 
-def devices(vfs: list[dict[str, Any]], backend: str, reachable: bool = True) -> list[dict[str, Any]]:
+def devices(
+    vfs: list[dict[str, Any]], backend: str, reachable: bool = True
+) -> list[dict[str, Any]]:
     out = []
     for v in vfs:
         healthy = reachable and v["state"] in HEALTHY

@@ -165,9 +165,7 @@ class State:
                 ) from None
 
     def _write_cdi(self, uid: str, entry: ClaimEntry) -> None:
-        mounts = [
-            cdi.VfMount(d.vf, self.node.socket, Path(d.token_file)) for d in entry.devices
-        ]
+        mounts = [cdi.VfMount(d.vf, self.node.socket, Path(d.token_file)) for d in entry.devices]
         cdi.write_spec(self.cdi_dir, uid, mounts)
 
     # ---- unprepare ---------------------------------------------------------------
