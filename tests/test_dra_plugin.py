@@ -311,3 +311,16 @@ def test_claims_the_driver_cannot_serve_fail_with_the_reason(
         )
         assert "it was deleted and made again" in error(stale)
         assert n.plugin.proc is not None and n.plugin.proc.poll() is None
+
+
+def test_the_slice_shows_a_host_restart(make_host: MakeHost, tmp_path: Path) -> None:
+    with node(make_host, tmp_path, **HOST) as n:
+        n.api.wait_for(lambda a: _attr(a, n.name, "vf0", "health") == "Healthy")
+        n.host.stop()
+        n.api.wait_for(
+            lambda a: {_attr(a, n.name, v, "state") for v in ("vf0", "vf1")} == {"UNKNOWN"}
+        )
+        assert _attr(n.api, n.name, "vf1", "health") == "Unhealthy"
+        n.host.start()
+        n.api.wait_for(lambda a: _attr(a, n.name, "vf1", "health") == "Healthy")
+        assert n.api.rejected == []
