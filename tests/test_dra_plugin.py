@@ -310,6 +310,15 @@ def test_claims_the_driver_cannot_serve_fail_with_the_reason(
             not_ours
         )
         assert "it was deleted and made again" in error(stale)
+        assert error(not_ours).startswith(f"claim default/{not_ours['metadata']['name']}: ")
+
+        n.host.admin.vf(1, "disable")
+        off = n.api.put_claim(claim(n.name, ["vf1"]))
+        got = n.kubelet.prepare(off).claims[off["metadata"]["uid"]].error
+        assert (
+            got
+            == f"claim default/{off['metadata']['name']}: VF1 is UNAVAIL; it cannot take a guest now"
+        )
         assert n.plugin.proc is not None and n.plugin.proc.poll() is None
 
 

@@ -136,11 +136,12 @@ def device_name(vf: int) -> str:
     return f"vf{vf}"
 
 
-def vf_index(device: str, vf_count: int) -> int:
+def vf_index(device: str, vf_count: int, where: str = "claim") -> int:
     """The VF behind a device name from an allocation; a name not ours is a ClaimError."""
     digits = device[2:] if device.startswith("vf") else ""
     if not digits.isdigit() or device != device_name(int(digits)) or int(digits) >= vf_count:
         raise ClaimError(
-            f"allocated device {device!r} is not a VF of this node (it has vf0..vf{vf_count - 1})"
+            f"{where}: allocated device {device!r} is not a VF of this node"
+            f" (it has vf0..vf{vf_count - 1})"
         )
     return int(digits)

@@ -81,6 +81,7 @@ class SlicePublisher:
         self.published: dict[str, Any] | None = None  # the slice as the API server has it
         self.updates = 0  # slices written, for whoever watches
         self._last: tuple[list[dict[str, Any]], str] | None = None  # last good (vfs, backend)
+        self.host_pid: int | None = None  # a new pid: a restarted host, counting events anew
 
     # ---- one step ----------------------------------------------------------------
 
@@ -88,6 +89,7 @@ class SlicePublisher:
         """Publish the host's VFs now if they differ from the slice; True if it wrote."""
         try:
             st = self.host.status()
+            self.host_pid = st["pid"]
             self._last = (st["vfs"], st["backend"])
             devs = devices(st["vfs"], st["backend"])
         except GpuvirtError as e:
@@ -143,10 +145,12 @@ class SlicePublisher:
         return self
 
     def _run(self) -> None:
-        after = 0
+        after, pid = 0, None
         while not self.stopping.is_set():
             try:
                 self.sync()
+                if self.host_pid != pid:
+                    after, pid = 0, self.host_pid
                 events = self.host.events(after=after, wait=POLL_S)
                 if events:
                     after = events[-1]["seq"]

@@ -105,7 +105,7 @@ class State:
         wants = wanted(claim, self.node.name)
         devices = []
         for w in wants:
-            index = vf_index(w.device, len(vfs))
+            index = vf_index(w.device, len(vfs), f"claim {ref.namespace}/{ref.name}")
             self._check_free(ref, index, vfs[index])
             devices.append(self._device(ref, w, index, vfs[index]))
         entry = ClaimEntry(ref.namespace, ref.name, Phase.PREPARING, devices)
@@ -136,11 +136,15 @@ class State:
         if holder is not None and holder != ref.uid:
             other = self.checkpoint.claims[holder]
             raise ClaimError(
-                f"VF{index} is prepared for claim {other.namespace}/{other.name} ({holder});"
-                " it is freed when that claim is unprepared"
+                f"claim {ref.namespace}/{ref.name}: VF{index} is prepared for claim"
+                f" {other.namespace}/{other.name} ({holder}); it is freed when that claim is"
+                " unprepared"
             )
         if vf["state"] not in HEALTHY:
-            raise ClaimError(f"VF{index} is {vf['state']}; it cannot take a guest now")
+            raise ClaimError(
+                f"claim {ref.namespace}/{ref.name}: VF{index} is {vf['state']}; it cannot take"
+                " a guest now"
+            )
 
     def _device(self, ref: ClaimRef, w: Wanted, index: int, vf: dict[str, Any]) -> PreparedDevice:
         return PreparedDevice(
