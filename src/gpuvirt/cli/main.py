@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from gpuvirt.cli import netgpu, vf
+from gpuvirt.cli import k8s, netgpu, vf
 from gpuvirt.cli.host_cmd import host
-from gpuvirt.cli.k8s_dra import dra_plugin
 
 app = typer.Typer(
     name="gpuvirt",
@@ -18,9 +17,7 @@ app = typer.Typer(
 app.command()(host)
 app.add_typer(vf.app, name="vf")
 app.add_typer(netgpu.app, name="netgpu")
-k8s = typer.Typer(help="Kubernetes: the DRA driver.", no_args_is_help=True)
-k8s.command("dra-plugin")(dra_plugin)
-app.add_typer(k8s, name="k8s")
+app.add_typer(k8s.app, name="k8s")
 
 
 def _register_optional() -> None:
