@@ -115,8 +115,11 @@ def test_one_claim_from_slice_to_guest_to_scrub(make_host: MakeHost, tmp_path: P
         assert _attr(n.api, n.name, "vf1", "weight") == 3
 
         edits = cdi_device(n.plugin.cdi_dir, dev.cdi_device_ids[0])["containerEdits"]
-        token_mount = [m for m in edits["mounts"] if m["containerPath"] == "/run/gpuvirt/token"]
-        assert token_mount and "ro" in token_mount[0]["options"]
+        token = [
+            m for m in edits["mounts"] if m["containerPath"] == "/run/gpuvirt/tokens/vf1.token"
+        ]
+        assert token and "ro" in token[0]["options"]
+        assert token[0]["hostPath"] == n.host.admin.vf(1)["token_file"]
         # A neighbour on VF0 with weight 1, so that the claim's weight shows in the shares.
         with gpuvirt.attach(vf=0, socket=n.host.socket, token=n.host.token(0)):
             guest = container(edits, GUEST)

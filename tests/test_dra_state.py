@@ -13,7 +13,7 @@ from dra_env import claim
 from gpuvirt.config import MiB
 from gpuvirt.k8s.dra.checkpoint import Checkpoint, ClaimEntry, Phase, PreparedDevice
 from gpuvirt.k8s.dra.params import ClaimError
-from gpuvirt.k8s.dra.state import ClaimRef, Node, State
+from gpuvirt.k8s.dra.state import ClaimRef, State
 from helpers import MakeHost
 
 HOST = {"sriov": {"vf_num": 2}, "vf": [{"index": 0, "fb": "32MiB"}, {"index": 1, "fb": "32MiB"}]}
@@ -23,9 +23,7 @@ def _state(hp: Any, tmp_path: Path, claims: dict[str, dict[str, Any]], cdi_dir: 
     def read(namespace: str, name: str) -> dict[str, Any]:
         return claims[name]
 
-    return State(
-        Node("n1", hp.socket), hp.admin, read, Checkpoint(tmp_path / "ck.json").load(), cdi_dir
-    )
+    return State("n1", hp.admin, read, Checkpoint(tmp_path / "ck.json").load(), cdi_dir)
 
 
 def _ref(c: dict[str, Any]) -> ClaimRef:
@@ -53,9 +51,8 @@ def _crashed(tmp_path: Path, c: dict[str, Any], hp: Any) -> None:
     ck = Checkpoint(tmp_path / "ck.json")
     m = c["metadata"]
     dev = PreparedDevice(
-        "vf", "n1", "vf0", 0, [f"gpuvirt.io/vf={m['uid']}-vf0"], hp.admin.vf(0)["token_file"],
-        {"fb": 32 * MiB, "weight": 1.0},
-    )  # fmt: skip
+        "vf", "n1", "vf0", 0, [f"gpuvirt.io/vf={m['uid']}-vf0"], {"fb": 32 * MiB, "weight": 1.0}
+    )
     ck.claims[m["uid"]] = ClaimEntry(m["namespace"], m["name"], Phase.PREPARING, [dev])
     ck.save()
     hp.admin.vf_set(0, weight=7, fb="48MiB")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from dra_env import claim
 from gpuvirt.config import GiB, MiB
+from gpuvirt.k8s.devices import allocate, host_view
 from gpuvirt.k8s.dra import cdi
 from gpuvirt.k8s.dra.checkpoint import (
     Checkpoint,
@@ -110,30 +112,39 @@ def test_unallocated_claims_and_foreign_devices() -> None:
 # ---- CDI ---------------------------------------------------------------------------
 
 
+def _status(run: Path, socket: Path) -> dict[str, Any]:
+    vfs = []
+    for i in (0, 1):
+        token = run / f"vf{i}.token"
+        token.write_text(str(i) * 64)
+        vfs.append({"index": i, "state": "AVAIL", "fb_total": MiB, "token_file": str(token)})
+    return {"socket": str(socket), "pid": 1, "vfs": vfs}
+
+
+def _spec(status: dict[str, Any], vf: int) -> dict[str, Any]:
+    return cdi.build_spec("uid-1", {vf: allocate(host_view(status), [f"vf{vf}"])})
+
+
 def _mounts(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {m["containerPath"]: m for m in spec["devices"][0]["containerEdits"]["mounts"]}
 
 
 def test_cdi_spec_mounts_the_socket_and_only_this_vfs_token(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    sock = run / "host.sock"
-    sock.touch()
-    (run / "vf0.token").write_text("0" * 64)  # tokens beside the socket: never mount the dir
-    (run / "vf1.token").write_text("1" * 64)
-    spec = cdi.build_spec("uid-1", [cdi.VfMount(1, sock, run / "vf1.token")])
+    sock = tmp_path / "host.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock))
+        # tokens beside the socket: the directory must never be mounted
+        spec = _spec(_status(tmp_path, sock), 1)
     assert spec["kind"] == "gpuvirt.io/vf" and spec["devices"][0]["name"] == "uid-1-vf1"
     mounts = _mounts(spec)
-    assert set(mounts) == {"/run/gpuvirt/host.sock", "/run/gpuvirt/token"}
-    assert mounts["/run/gpuvirt/host.sock"]["hostPath"] == str(sock)
-    assert mounts["/run/gpuvirt/token"]["hostPath"] == str(run / "vf1.token")
-    assert "ro" in mounts["/run/gpuvirt/token"]["options"]
+    assert set(mounts) == {"/run/gpuvirt/mailbox/host.sock", "/run/gpuvirt/tokens/vf1.token"}
+    assert mounts["/run/gpuvirt/mailbox/host.sock"]["hostPath"] == str(sock)
+    assert mounts["/run/gpuvirt/tokens/vf1.token"]["hostPath"] == str(tmp_path / "vf1.token")
+    assert all("ro" in m["options"] for m in mounts.values())
     env = spec["devices"][0]["containerEdits"]["env"]
-    assert env == [
-        "GPUVIRT_SOCKET=/run/gpuvirt/host.sock", "GPUVIRT_VF=1",
-        "GPUVIRT_TOKEN_FILE=/run/gpuvirt/token",
-    ]  # fmt: skip
-    assert not any("TOKEN=" in e for e in env)  # the secret never goes in the environment
+    assert "GPUVIRT_VF=1" in env and "GPUVIRT_TOKEN_FILE=/run/gpuvirt/tokens/vf1.token" in env
+    assert "GPUVIRT_SOCKET=/run/gpuvirt/mailbox/host.sock" in env
+    assert not any(e.startswith("GPUVIRT_TOKEN=") for e in env)  # never the secret itself
 
 
 def test_cdi_spec_mounts_a_socket_dir_that_holds_nothing_else(tmp_path: Path) -> None:
@@ -141,17 +152,15 @@ def test_cdi_spec_mounts_a_socket_dir_that_holds_nothing_else(tmp_path: Path) ->
     (tmp_path / "sock").mkdir()
     sock = tmp_path / "sock" / "host.sock"
     sock.touch()
-    spec = cdi.build_spec("u", [cdi.VfMount(0, sock, tmp_path / "t")])
-    mounts = _mounts(spec)
+    mounts = _mounts(_spec(_status(tmp_path, sock), 0))
     assert mounts["/run/gpuvirt/mailbox"]["hostPath"] == str(sock.parent)
-    assert (
-        "GPUVIRT_SOCKET=/run/gpuvirt/mailbox/host.sock"
-        in spec["devices"][0]["containerEdits"]["env"]
-    )
 
 
 def test_cdi_files_are_written_whole_and_removed(tmp_path: Path) -> None:
-    path = cdi.write_spec(tmp_path / "cdi", "u1", [cdi.VfMount(0, tmp_path / "s", tmp_path / "t")])
+    (tmp_path / "sock").mkdir()
+    status = _status(tmp_path, tmp_path / "sock" / "host.sock")
+    edits = {0: allocate(host_view(status), ["vf0"])}
+    path = cdi.write_spec(tmp_path / "cdi", "u1", edits)
     assert path == tmp_path / "cdi" / "gpuvirt.io-vf_u1.json"
     assert json.loads(path.read_text())["cdiVersion"] == cdi.CDI_VERSION
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp file left
@@ -167,7 +176,7 @@ def test_cdi_files_are_written_whole_and_removed(tmp_path: Path) -> None:
 
 def _entry(vf: int = 1) -> ClaimEntry:
     dev = PreparedDevice(
-        "vf", "n1", f"vf{vf}", vf, [f"gpuvirt.io/vf=u-vf{vf}"], "/t", {"fb": 1, "weight": 1.0}
+        "vf", "n1", f"vf{vf}", vf, [f"gpuvirt.io/vf=u-vf{vf}"], {"fb": 1, "weight": 1.0}
     )
     return ClaimEntry("default", "c", Phase.PREPARED, [dev])
 
@@ -258,6 +267,7 @@ def test_rpc_paths_and_fields_are_upstreams() -> None:
         .message_type.GetOptions()
         .map_entry
     )
+    assert not dra.DESCRIPTOR.dependencies and not reg.DESCRIPTOR.dependencies  # no gogo
     assert reg.DESCRIPTOR.package == "pluginregistration"
     rsvc = reg.DESCRIPTOR.services_by_name["Registration"]
     assert [m.name for m in rsvc.methods] == ["GetInfo", "NotifyRegistrationStatus"]

@@ -10,9 +10,11 @@ from typing import Annotated
 import typer
 
 from gpuvirt.cli.common import ConfigOpt, config_or_exit, fail
+from gpuvirt.cli.k8s import app
 from gpuvirt.errors import GpuvirtError
 
 
+@app.command("dra-plugin")
 def dra_plugin(
     config: ConfigOpt = None,
     node_name: Annotated[

@@ -22,7 +22,7 @@ app.add_typer(k8s.app, name="k8s")
 
 def _register_optional() -> None:
     # Each of these modules registers its own commands on `app`.
-    from gpuvirt.cli import bench, demo, events, top  # noqa: F401
+    from gpuvirt.cli import bench, demo, events, k8s_dra, top  # noqa: F401
 
 
 _register_optional()

@@ -1,14 +1,13 @@
 """CDI specs: what the container runtime adds to a container that uses a claim.
 
 One spec file per claim in the CDI directory (kind ``gpuvirt.io/vf``), one CDI
-device per prepared VF: the mailbox socket and that VF's token file bind-mounted
-(the token read-only), and the ``GPUVIRT_*`` variables `gpuvirt.attach()` reads.
-Never a mount through which another VF's token can be read: the socket's
-directory is mounted only where it holds nothing but the socket (so the mount
-survives a host restart, which makes a new socket file), else the socket file
-itself, since an admin may keep tokens beside it.
-Files are written atomically (temp file, fsync, rename), as the runtime may
-read the directory at any moment.
+device per prepared VF, whose container edits are exactly what the device
+plugin's Allocate hands a container for that VF (gpuvirt.k8s.devices.allocate):
+the ``GPUVIRT_*`` variables `gpuvirt.attach()` reads, the mailbox socket (its
+directory where that holds nothing else) and that VF's token file, read-only;
+never a mount through which another VF's token can be read. Files are written
+atomically (temp file, fsync, rename), as the runtime may read the directory
+at any moment.
 """
 
 from __future__ import annotations
@@ -18,28 +17,15 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuvirt.k8s.devices import Allocation
 from gpuvirt.k8s.dra.params import DRIVER
 
 CDI_VERSION = "0.6.0"
 KIND = f"{DRIVER}/vf"
-# Where a container finds them; fixed so that images need no configuration.
-CONTAINER_SOCKET = "/run/gpuvirt/host.sock"
-CONTAINER_SOCKET_DIR = "/run/gpuvirt/mailbox"
-CONTAINER_TOKEN = "/run/gpuvirt/token"
 _NAME_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
-
-
-@dataclass(frozen=True, slots=True)
-class VfMount:
-    """What one prepared VF needs inside the container."""
-
-    vf: int
-    socket: Path  # the host's mailbox socket, on the node
-    token_file: Path  # this VF's token, on the node
 
 
 def device_name(claim_uid: str, vf: int) -> str:
@@ -57,50 +43,32 @@ def spec_path(cdi_dir: Path, claim_uid: str) -> Path:
     return cdi_dir / f"{DRIVER}-vf_{claim_uid}.json"
 
 
-def build_spec(claim_uid: str, vfs: list[VfMount]) -> dict[str, Any]:
+def build_spec(claim_uid: str, vfs: dict[int, Allocation]) -> dict[str, Any]:
     return {
         "cdiVersion": CDI_VERSION,
         "kind": KIND,
         "devices": [
-            {"name": device_name(claim_uid, m.vf), "containerEdits": _edits(m)} for m in vfs
+            {"name": device_name(claim_uid, vf), "containerEdits": _edits(a)}
+            for vf, a in sorted(vfs.items())
         ],
     }
 
 
-def _socket_mount(socket: Path) -> tuple[str, dict[str, Any]]:
-    """The container's socket path, and the mount that puts it there."""
-    options = ["rbind", "rw", "nosuid", "nodev", "noexec"]
-    try:
-        alone = os.listdir(socket.parent) == [socket.name]
-    except OSError:
-        alone = False
-    if alone:
-        mount = {"hostPath": str(socket.parent), "containerPath": CONTAINER_SOCKET_DIR}
-        return f"{CONTAINER_SOCKET_DIR}/{socket.name}", {**mount, "options": options}
-    mount = {"hostPath": str(socket), "containerPath": CONTAINER_SOCKET}
-    return CONTAINER_SOCKET, {**mount, "options": options}
-
-
-def _edits(m: VfMount) -> dict[str, Any]:
-    socket, socket_mount = _socket_mount(m.socket)
+def _edits(a: Allocation) -> dict[str, Any]:
     return {
-        "env": [
-            f"GPUVIRT_SOCKET={socket}",
-            f"GPUVIRT_VF={m.vf}",
-            f"GPUVIRT_TOKEN_FILE={CONTAINER_TOKEN}",
-        ],
+        "env": [f"{k}={v}" for k, v in a.envs.items()],
         "mounts": [
-            socket_mount,
             {
-                "hostPath": str(m.token_file),
-                "containerPath": CONTAINER_TOKEN,
-                "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
-            },
+                "hostPath": m.host_path,
+                "containerPath": m.container_path,
+                "options": ["rbind", "ro" if m.read_only else "rw", "nosuid", "nodev", "noexec"],
+            }
+            for m in a.mounts
         ],
     }
 
 
-def write_spec(cdi_dir: Path, claim_uid: str, vfs: list[VfMount]) -> Path:
+def write_spec(cdi_dir: Path, claim_uid: str, vfs: dict[int, Allocation]) -> Path:
     path = spec_path(cdi_dir, claim_uid)
     write_atomic(path, json.dumps(build_spec(claim_uid, vfs), indent=2).encode())
     return path

@@ -34,7 +34,6 @@ class PreparedDevice:
     device: str
     vf: int
     cdi_ids: list[str]
-    token_file: str  # the VF's, on the node (mounted into the containers)
     # The VF's fb and weight before this claim changed them; unprepare restores them.
     previous: dict[str, int | float]
 

@@ -23,7 +23,7 @@ from gpuvirt.k8s.dra.checkpoint import Checkpoint
 from gpuvirt.k8s.dra.driver import Servers
 from gpuvirt.k8s.dra.kube import Kube, api_client
 from gpuvirt.k8s.dra.slices import SlicePublisher
-from gpuvirt.k8s.dra.state import Node, State
+from gpuvirt.k8s.dra.state import State
 
 log = logging.getLogger("gpuvirt.k8s.dra")
 
@@ -47,8 +47,7 @@ def run(config: HostConfig, opts: Options) -> int:
     host = AdminClient(config.host.admin_address(create=False))
     kube = Kube(api_client(opts.kubeconfig))
     checkpoint = Checkpoint(opts.plugin_dir / CHECKPOINT).load()
-    node = Node(opts.node, config.host.socket_path(create=False))
-    state = State(node, host, kube.claim, checkpoint, opts.cdi_dir)
+    state = State(opts.node, host, kube.claim, checkpoint, opts.cdi_dir)
 
     stop = threading.Event()
     refused: list[str] = []

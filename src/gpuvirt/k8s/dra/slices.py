@@ -16,9 +16,9 @@ import threading
 from typing import Any
 
 from gpuvirt.errors import GpuvirtError
+from gpuvirt.k8s.devices import SERVING
 from gpuvirt.k8s.dra.kube import Kube, KubeError
 from gpuvirt.k8s.dra.params import DRIVER, device_name
-from gpuvirt.k8s.dra.state import HEALTHY
 
 log = logging.getLogger("gpuvirt.k8s.dra")
 
@@ -36,7 +36,7 @@ def devices(
 ) -> list[dict[str, Any]]:
     out = []
     for v in vfs:
-        healthy = reachable and v["state"] in HEALTHY
+        healthy = reachable and v["state"] in SERVING
         attributes = {
             "index": {"int": v["index"]},
             "backend": {"string": backend},

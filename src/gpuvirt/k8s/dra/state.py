@@ -24,14 +24,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpuvirt.errors import GpuvirtError
+from gpuvirt.k8s.devices import SERVING, WITH_GUEST, AllocateError, allocate, host_view
 from gpuvirt.k8s.dra import cdi
 from gpuvirt.k8s.dra.checkpoint import Checkpoint, ClaimEntry, Phase, PreparedDevice
 from gpuvirt.k8s.dra.params import ClaimError, VfConfig, Wanted, vf_index, wanted
 
 log = logging.getLogger("gpuvirt.k8s.dra")
-
-HEALTHY = frozenset({"AVAIL", "FULLACCESS", "ACTIVE", "SUSPEND"})
-WITH_GUEST = frozenset({"FULLACCESS", "ACTIVE", "SUSPEND"})
 
 
 class Host(Protocol):
@@ -51,18 +49,10 @@ class ClaimRef:
     uid: str
 
 
-@dataclass(frozen=True, slots=True)
-class Node:
-    """This node as the driver sees it."""
-
-    name: str
-    socket: Path  # the host's mailbox socket
-
-
 class State:
     def __init__(
         self,
-        node: Node,
+        node: str,  # this node's name: its pool in the allocations
         host: Host,
         claims: Callable[[str, str], dict[str, Any]],  # (namespace, name) -> ResourceClaim
         checkpoint: Checkpoint,
@@ -82,7 +72,8 @@ class State:
         with self.lock:
             entry = self.checkpoint.claims.get(ref.uid)
             if entry is not None and entry.phase == Phase.PREPARED:
-                self._write_cdi(ref.uid, entry)  # a spec lost meanwhile comes back
+                if not cdi.spec_path(self.cdi_dir, ref.uid).exists():
+                    self._write_cdi(ref.uid, entry, self.host.status())  # lost meanwhile
                 log.info("claim %s/%s (%s): already prepared", ref.namespace, ref.name, ref.uid)
                 return entry.devices
             if entry is not None:
@@ -102,7 +93,7 @@ class State:
             )
         status = self.host.status()
         vfs = status["vfs"]
-        wants = wanted(claim, self.node.name)
+        wants = wanted(claim, self.node)
         devices = []
         for w in wants:
             index = vf_index(w.device, len(vfs), f"claim {ref.namespace}/{ref.name}")
@@ -114,7 +105,7 @@ class State:
         try:
             for w, d in zip(wants, devices, strict=True):
                 self._configure(ref, d.vf, w.config)
-            self._write_cdi(ref.uid, entry)
+            self._write_cdi(ref.uid, entry, self.host.status())
         except (GpuvirtError, OSError) as e:
             self._restore(entry)
             del self.checkpoint.claims[ref.uid]
@@ -140,7 +131,7 @@ class State:
                 f" {other.namespace}/{other.name} ({holder}); it is freed when that claim is"
                 " unprepared"
             )
-        if vf["state"] not in HEALTHY:
+        if vf["state"] not in SERVING:
             raise ClaimError(
                 f"claim {ref.namespace}/{ref.name}: VF{index} is {vf['state']}; it cannot take"
                 " a guest now"
@@ -153,7 +144,6 @@ class State:
             device=w.device,
             vf=index,
             cdi_ids=[cdi.device_id(ref.uid, index)],
-            token_file=vf["token_file"],
             previous={"fb": vf["fb_total"], "weight": vf["weight"]},
         )
 
@@ -168,9 +158,14 @@ class State:
                     f" the host: {e}"
                 ) from None
 
-    def _write_cdi(self, uid: str, entry: ClaimEntry) -> None:
-        mounts = [cdi.VfMount(d.vf, self.node.socket, Path(d.token_file)) for d in entry.devices]
-        cdi.write_spec(self.cdi_dir, uid, mounts)
+    def _write_cdi(self, uid: str, entry: ClaimEntry, status: dict[str, Any]) -> None:
+        """The CDI spec: for each VF, what the device plugin's Allocate would give."""
+        view = host_view(status)
+        try:
+            edits = {d.vf: allocate(view, [d.device]) for d in entry.devices}
+        except AllocateError as e:
+            raise ClaimError(f"claim {entry.namespace}/{entry.name}: {e}") from None
+        cdi.write_spec(self.cdi_dir, uid, edits)
 
     # ---- unprepare ---------------------------------------------------------------
 
