@@ -264,6 +264,9 @@ def _no_mount_reaches_another_token(resp: Any, hp: HostProcess, own: int) -> Non
             assert host in (hp.socket, tokens[own]), m
 
 
+@pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap (Debian: bubblewrap) plays the container"
+)
 def test_a_guest_in_a_container_attaches_with_only_what_allocate_returned(make_node) -> None:
     node = make_node(dedicated_socket_dir=True, sriov={"vf_num": 3})
     p = registered(node)

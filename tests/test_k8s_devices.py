@@ -156,3 +156,25 @@ def test_allocate_refuses_a_missing_token_or_socket(tmp_path: Path) -> None:
     with pytest.raises(dev.AllocateError, match="has not been reachable yet"):
         dev.allocate(dev.initial_view(1), ["vf0"])
     sock.close()
+
+
+def test_attach_takes_the_token_from_gpuvirt_token_file(tmp_path: Path, monkeypatch) -> None:
+    import gpuvirt
+    from gpuvirt.errors import HostUnreachableError
+
+    monkeypatch.setenv("GPUVIRT_SOCKET", str(tmp_path / "nobody.sock"))
+    monkeypatch.setenv("GPUVIRT_VF", "0")
+    monkeypatch.delenv("GPUVIRT_TOKEN", raising=False)
+    monkeypatch.delenv("GPUVIRT_TOKEN_FILE", raising=False)
+    with pytest.raises(GpuvirtError, match="set GPUVIRT_TOKEN or GPUVIRT_TOKEN_FILE"):
+        gpuvirt.attach()
+    token = tmp_path / "vf0.token"
+    monkeypatch.setenv("GPUVIRT_TOKEN_FILE", str(token))
+    with pytest.raises(GpuvirtError, match=r"GPUVIRT_TOKEN_FILE='.*vf0\.token': cannot read it"):
+        gpuvirt.attach()
+    token.write_text("not a token\n")
+    with pytest.raises(GpuvirtError, match=r"vf0\.token': a token must be .* 64 hex"):
+        gpuvirt.attach()
+    token.write_text("ab" * 32 + "\n")
+    with pytest.raises(HostUnreachableError):  # the token was taken; there is no host
+        gpuvirt.attach()

@@ -71,15 +71,13 @@ def test_bad_values_are_refused_with_key_value_and_reason(body: Any, words: list
 # ---- on a real host ---------------------------------------------------------------------
 
 
-def post(hp: HostProcess, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+def post(hp: HostProcess, path: str, body: bytes, headers: str | None = None) -> tuple[int, Any]:
     """One raw HTTP request, so the tests see exactly what a curl user would."""
+    if headers is None:
+        headers = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     s = socket.socket(socket.AF_UNIX)
     s.connect(str(hp.config.host.admin_address()))
-    s.sendall(
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode() + body)
     data = b""
     while chunk := s.recv(65536):
         data += chunk
@@ -225,3 +223,41 @@ def test_cli_sets_and_reports_refusals(make_host: MakeHost) -> None:
     r = cli(hp, "set", "0")
     assert r.returncode == 2 and "nothing to set" in r.stderr
     assert Path(hp.config_path).exists()
+
+
+def test_a_quarantined_vf_is_recarved_without_an_engine_and_comes_back_at_its_new_size(
+    make_host: MakeHost,
+) -> None:
+    hp = make_host(reset={"guard_flr": "1/60s"})
+    for _ in range(2):
+        hp.admin.vf(1, "reset")
+    wait_state(hp, 1, "QUARANTINED")
+    v = hp.admin.vf_set(1, fb="150MiB")
+    assert (v["state"], v["fb_total"], v["engine_pid"]) == ("QUARANTINED", 150 * MiB, None)
+    assert hp.admin.vf(1, "clear-guard")["state"] == "AVAIL"
+    with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as gpu:
+        assert gpu.fb_size == 150 * MiB
+
+
+def test_no_such_vf_is_404(make_host: MakeHost) -> None:
+    hp = make_host(sriov={"vf_num": 1})
+    code, body = post(hp, "/vf/3/set", b'{"weight": 2}')
+    assert code == 404 and "no VF '3'" in body["error"]
+
+
+@pytest.mark.parametrize(
+    ("headers", "code", "words"),
+    [
+        ("Content-Length: lots\r\n", 400, "Content-Length 'lots': must be 0..16384"),
+        ("Content-Length: 99999999\r\n", 400, "must be 0..16384"),
+        ("Transfer-Encoding: chunked\r\n", 411, "send the body with a Content-Length"),
+    ],
+)
+def test_a_body_without_a_usable_length_is_refused(
+    make_host: MakeHost, headers: str, code: int, words: str
+) -> None:
+    hp = make_host(sriov={"vf_num": 1})
+    status, body = post(hp, "/vf/0/set", b"", headers)
+    assert status == code
+    assert words in body["error"]
+    assert hp.admin.vf(0)["state"] == "AVAIL", "the host carries on"
