@@ -55,10 +55,31 @@ def test_the_validation_can_fail() -> None:
     assert any("expresion" in p for p in problems(dc, DRA_VERSIONS[0]))
 
 
-def test_kustomization_lists_the_install() -> None:
+def test_kustomization_is_deploy_without_the_device_plugin() -> None:
     k = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-    assert sorted(k["resources"]) == ["daemonset.yaml", "deviceclass.yaml", "rbac.yaml"]
+    assert k["resources"] == ["..", "rbac.yaml", "deviceclass.yaml", "daemonset.yaml"]
     assert all((DEPLOY / r).exists() for r in k["resources"])
+    # The patch takes the device plugin out of the base's DaemonSet: both on one node
+    # would hand out the same VFs.
+    [p] = k["patches"]
+    patch = yaml.safe_load(p["patch"])
+    base = [d for d in yaml.safe_load_all((DEPLOY.parent / "daemonset.yaml").read_text()) if d]
+    [ds] = [d for d in base if d["kind"] == "DaemonSet"]
+    assert p["target"] == {"kind": "DaemonSet", "name": ds["metadata"]["name"]}
+    assert patch["metadata"]["name"] == ds["metadata"]["name"]
+    [gone] = patch["spec"]["template"]["spec"]["containers"]
+    assert gone == {"name": "device-plugin", "$patch": "delete"}
+    assert "device-plugin" in [c["name"] for c in ds["spec"]["template"]["spec"]["containers"]]
+    # The same namespace and ConfigMap as the base.
+    base_k = yaml.safe_load((DEPLOY.parent / "kustomization.yaml").read_text())
+    assert k["namespace"] == base_k["namespace"] == _one("DaemonSet")["metadata"]["namespace"]
+    cms = [
+        v["configMap"]["name"]
+        for v in ds["spec"]["template"]["spec"]["volumes"]
+        if "configMap" in v
+    ]
+    mine = _one("DaemonSet")["spec"]["template"]["spec"]["volumes"]
+    assert [v["configMap"]["name"] for v in mine if "configMap" in v] == cms
 
 
 def test_the_device_class_and_the_example_claim_fit_the_driver() -> None:
