@@ -84,3 +84,33 @@ def test_an_interrupted_prepare_is_undone_by_unprepare(make_host: MakeHost, tmp_
     vf = hp.admin.vf(0)
     assert (vf["fb_total"], vf["weight"], vf["state"]) == (32 * MiB, 1, "AVAIL")
     assert Checkpoint(tmp_path / "ck.json").load().claims == {}
+
+
+def test_unprepare_detaches_a_guest_still_attached(make_host: MakeHost, tmp_path: Path) -> None:
+    import numpy as np
+
+    import gpuvirt
+
+    hp = make_host(**HOST)
+    c = claim("n1", ["vf1"], {"fb": "64MiB", "weight": 2})
+    st = _state(hp, tmp_path, {c["metadata"]["name"]: c}, tmp_path / "cdi")
+    st.prepare(_ref(c))
+    # A container the runtime has not stopped yet: its guest still holds the VF.
+    gpu = gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1))
+    try:
+        x = gpu.alloc((1024,), np.float32)
+        x.write(np.full(1024, 7, np.float32))
+        assert hp.admin.vf(1)["state"] in ("ACTIVE", "SUSPEND")
+        st.unprepare(_ref(c))
+        vf = hp.admin.vf(1)
+        assert (vf["state"], vf["guest_pid"], vf["fb_total"], vf["weight"]) == (
+            "AVAIL", None, 32 * MiB, 1,
+        )  # fmt: skip
+        with pytest.raises(gpuvirt.GpuvirtError):
+            x.read()
+    finally:
+        gpu.close()
+    # The next tenant of VF1 finds nothing of the last one's data.
+    with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as nxt:
+        y = nxt.alloc((1024,), np.float32)
+        assert not y.read().any()

@@ -239,11 +239,13 @@ class Host:
         async with self.lifecycle:
             if vf.state == S.UNAVAIL:
                 return
-            if vf.conn is not None:
-                vf.conn.close()  # its session's end is a fini, which finds the VF gone
             if vf.state not in (S.RESETTING, S.QUARANTINED, S.FAILED):
                 self.vfm.transition(vf, S.RESETTING, "disable")
+            # Off the schedule before the guest goes: its session closes the doorbell
+            # eventfd, which the scheduler must have let go of by then.
             await self.off_schedule(vf)
+            if vf.conn is not None:
+                vf.conn.close()  # its session's end is a fini, which finds the VF gone
             await self.kill_engine(vf)
             self.device.scrub(vf.index)
             self._info.pop(vf.index).close()
