@@ -10,6 +10,7 @@ import typer
 
 from gpuvirt.admin_client import AdminClient
 from gpuvirt.cli.common import ConfigOpt, config_or_exit, fail
+from gpuvirt.cli.k8s_dra import dra_plugin
 from gpuvirt.errors import GpuvirtError
 from gpuvirt.k8s import DEFAULT_PLUGIN_DIR, DEFAULT_RESOURCE
 
@@ -46,3 +47,6 @@ def device_plugin(
         plugin.run()
     except GpuvirtError as e:
         raise fail(str(e)) from None
+
+
+app.command("dra-plugin")(dra_plugin)

@@ -272,11 +272,13 @@ class Host:
         async with self.lifecycle:
             if vf.state == S.UNAVAIL:
                 return
-            if vf.conn is not None:
-                vf.conn.close()  # its session's end is a fini, which finds the VF gone
             if self.vfm.accepts(vf, E.DISABLE):  # from FULLACCESS: frees the init lock too
                 self.vfm.send(vf, E.DISABLE, "disable")
+            # Off the schedule before the guest goes: its session closes the doorbell
+            # eventfd, which the scheduler must have let go of by then.
             await self.off_schedule(vf)
+            if vf.conn is not None:
+                vf.conn.close()  # its session's end is a fini, which finds the VF gone
             await self.kill_engine(vf)
             info = self._info.pop(vf.index, None)
             if info is not None:  # none when a failed renewal left the VF without an FB

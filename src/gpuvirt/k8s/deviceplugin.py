@@ -157,6 +157,7 @@ class DevicePlugin:
         self._server: grpc.Server | None = None
         self._served_inode: int | None = None
         self._registered_with: int | None = None  # the inode of the kubelet.sock we registered at
+        self._waiting_logged = False  # "no kubelet yet" said once per wait
 
     def run(self) -> None:
         """Until `stop()`. Raises RegistrationRefused when the kubelet says no."""
@@ -182,7 +183,10 @@ class DevicePlugin:
                         self.log("the kubelet cleared its directory; serving again")
                         self._serve()
                         self._registered_with = None
-                    if serve or register:
+                    # A kubelet socket that exists but refused us was caught between its
+                    # bind and its listen: no further event comes, so try again each tick.
+                    retry = self._registered_with is None and self.kubelet.exists()
+                    if serve or register or retry:
                         self._register()
                     seen = self._log_health(seen)
             finally:
@@ -264,13 +268,16 @@ class DevicePlugin:
             except grpc.RpcError as e:
                 code = e.code()
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    self.log(f"no kubelet at {self.kubelet} yet; registering once it is there")
+                    if not self._waiting_logged:
+                        self.log(f"no kubelet at {self.kubelet} yet; registering once it is there")
+                        self._waiting_logged = True
                     return False
                 raise RegistrationRefused(
                     f"the kubelet at {self.kubelet} refused to register {self.config.resource} "
                     f"(endpoint {self.endpoint.name}, API {API_VERSION}): {code.name}: {e.details()}"
                 ) from None
         self._registered_with = inode
+        self._waiting_logged = False
         self.log(f"registered {self.config.resource} with the kubelet at {self.kubelet}")
         return True
 
