@@ -126,6 +126,13 @@ DEFAULT_FULLACCESS_TIMEOUT_MS = 1500
 DEFAULT_READY_TO_RESET_WAIT_MS = 10
 DEFAULT_GUARD_FLR = "3/60s"
 DEFAULT_VF_WEIGHT = 1.0
+DEFAULT_SANDBOX = "required"
+DEFAULT_UID_BASE = 200000  # engine uid/gid = uid_base + VF index (host running as root)
+DEFAULT_MEMORY_ALLOWANCE = 1 * GiB  # engine memory limit = its VF's FB + this, unless set
+DEFAULT_ENGINE_TASKS = 64  # threads an engine may run (it may create no processes)
+DEFAULT_ENGINE_NOFILE = 256
+DEFAULT_ENGINE_SCRATCH = 64 * MiB
+DEFAULT_SOCKET_MODE = 0o660
 
 FB_RESERVED = 128 * KiB  # head of every FB: PF2VF at 64 KiB, VF2PF at 65 KiB
 MIN_VF_FB = 1 * MiB
@@ -144,6 +151,7 @@ _MAX_SIZE_TEXT = 64
 MAX_SIZE = (1 << 64) - 1
 
 Policy = Literal["fairness", "round_robin", "liquid", "weighted"]
+SandboxMode = Literal["required", "best-effort", "off"]
 Backend = Literal["emu", "cuda"]
 
 
@@ -412,6 +420,11 @@ class HostSection(BaseModel):
     socket: AbsPath | None = None
     admin: Annotated[str, BeforeValidator(_admin_text)] | None = None
     state_dir: AbsPath | None = None
+    # Group (name or gid) that owns the mailbox socket, so tenants who are ordinary
+    # users can attach to a root host; socket_mode is its mode (no bits for others
+    # unless set here).
+    socket_group: str | int | None = None
+    socket_mode: Annotated[int, _in_range(0, 0o777)] = DEFAULT_SOCKET_MODE
 
     def socket_path(self, *, create: bool = True) -> Path:
         """The mailbox socket: ``socket``, else ``default_runtime_dir()/host.sock``."""
@@ -482,6 +495,22 @@ class ResetSection(BaseModel):
         return parse_window(self.guard_flr)[1]
 
 
+class EngineSection(BaseModel):
+    """``[engine]``: how every engine (a tenant's kernels) is confined; docs/security.md."""
+
+    model_config = _MODEL
+
+    # required: refuse to start unless every protection can be applied; best-effort:
+    # start with what there is and say what is missing; off: development only.
+    sandbox: SandboxMode = DEFAULT_SANDBOX
+    uid_base: Annotated[int, _in_range(1, 2**31 - 64)] = DEFAULT_UID_BASE
+    memory: NonZeroSize | None = None  # None: the VF's FB plus memory_allowance
+    memory_allowance: Size = DEFAULT_MEMORY_ALLOWANCE
+    tasks: Annotated[int, _in_range(4, 65536)] = DEFAULT_ENGINE_TASKS
+    nofile: Annotated[int, _in_range(32, 1 << 20)] = DEFAULT_ENGINE_NOFILE
+    scratch: NonZeroSize = DEFAULT_ENGINE_SCRATCH
+
+
 class VFSection(BaseModel):
     """One ``[[vf]]`` table: settings for the VF with this ``index``."""
 
@@ -523,6 +552,7 @@ class HostConfig(BaseModel):
     sriov: SriovSection = Field(default_factory=SriovSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     reset: ResetSection = Field(default_factory=ResetSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
     vf: list[VFSection] = Field(default_factory=list)
 
     @classmethod

@@ -58,6 +58,7 @@ from gpuvirt.device.base import (
 from gpuvirt.device.emu import FAULT_ENV, _Faults, punch_hole
 from gpuvirt.device.engine import CTL_FAIL, CTL_WAKE
 from gpuvirt.device.process import ProcessEngine
+from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.command import BufDesc, Copy
@@ -184,10 +185,17 @@ class CoopEngine(ProcessEngine):
     cooperative = True
 
     def __init__(
-        self, spec: EngineSpec, fb_fd: int, backend: str = "cuda", fault: bool = False
+        self,
+        spec: EngineSpec,
+        fb_fd: int,
+        backend: str = "cuda",
+        fault: bool = False,
+        sandbox: Sandbox | None = None,
     ) -> None:
         self.failure: str | None = None  # what the engine said when it could not start
-        super().__init__(spec, fb_fd, backend, ["--switch", "coop"], fault)
+        super().__init__(
+            spec, fb_fd, backend, ["--switch", "coop"], fault, sandbox or Sandbox.off()
+        )
         self._poll = select.epoll()
         self._poll.register(self._ctl.fileno(), select.EPOLLIN)
         self._poll.register(self._pidfd, select.EPOLLIN)
@@ -290,7 +298,11 @@ class CudaDevice(Device):
 
     backend = "cuda"
 
-    def __init__(self, probe_timeout: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(
+        self, sandbox: Sandbox | None = None, probe_timeout: float = PROBE_TIMEOUT_S
+    ) -> None:
+        """sandbox None: unconfined engines (device tests); the host passes its own."""
+        self.sandbox = sandbox or Sandbox.off()
         self.gpu = probe_gpu(probe_timeout)
         self._apertures: dict[int, tuple[int, int]] = {}  # vf -> (aperture fd, FB size)
         self._engines: dict[int, CoopEngine] = {}
@@ -328,7 +340,9 @@ class CudaDevice(Device):
 
     def new_engine(self, spec: EngineSpec) -> Engine:
         fd = self._apertures[spec.vf][0]
-        engine = CoopEngine(spec, fd, "cuda", self._faults.should_fail(spec.vf))
+        engine = CoopEngine(
+            spec, fd, "cuda", self._faults.should_fail(spec.vf), self.sandbox
+        )
         self._engines[spec.vf] = engine
         return engine
 
@@ -346,6 +360,7 @@ class CudaDevice(Device):
     def close(self) -> None:
         for vf in list(self._apertures):
             self.destroy_fb(vf)
+        self.sandbox.close()
 
 
 def _fmt(n: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import mmap
 import os
 import signal
@@ -27,6 +28,7 @@ from gpuvirt import config as C
 from gpuvirt.config import HostConfig, load_or_create_token
 from gpuvirt.device import make_device
 from gpuvirt.device.base import EngineSpec, WSCommand
+from gpuvirt.device.sandbox import Sandbox, Settings
 from gpuvirt.errors import DeviceError
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.mailbox import Session
@@ -57,7 +59,8 @@ class Host:
         self.admin_address = config.host.admin_address()
         self.state_dir = config.host.state_path()
         self.events = EventLog(self.state_dir / "events.jsonl")
-        self.device = make_device(config.device.backend)
+        self.sandbox = Sandbox.create(Settings.from_config(config))
+        self.device = make_device(config.device.backend, self.sandbox)
         plans = config.vf_layout(self.device.total_fb())
         self.vfm = VFManager(
             [VF(p.index, p, load_or_create_token(p.token_file)) for p in plans], self.events
@@ -103,6 +106,11 @@ class Host:
             f"host starting: {self.config.device.backend}, {len(self.vfm)} VFs, "
             f"policy {self.config.scheduler.policy}", None,
         )  # fmt: skip
+        # Said plainly at every start: which confinement is in force and what is not.
+        self.events.emit(
+            Category.HOST, "sandbox", self.sandbox.report.line(), None,
+            **self.sandbox.report.as_dict(),
+        )  # fmt: skip
         await asyncio.gather(*(self.enable(vf) for vf in self.vfm.vfs))
         self._servers.append(self._listen_mailbox())
         self.admin = AdminServer(self)
@@ -121,7 +129,10 @@ class Host:
             path.unlink()  # a stale socket of a host that is gone (start() checked)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(str(path))
-        os.chmod(path, 0o660)
+        group = self.config.host.socket_group
+        if group is not None:
+            os.chown(path, -1, socket_gid(group))
+        os.chmod(path, self.config.host.socket_mode)
         srv.listen(64)
         srv.setblocking(False)
         self.spawn(self._accept(srv))
@@ -437,6 +448,7 @@ class Host:
             "pending": s.get("pending", 0),
             "guest_pid": vf.guest_pid,
             "engine_pid": vf.engine.pid if vf.engine else None,
+            "sandbox": "confined" if self.sandbox.report.confined else "UNCONFINED",
             "launches_completed": vf.vf2pf.get("launches_completed", 0),
             "netgpu_rx_bytes": vf.vf2pf.get("netgpu_rx_bytes", 0),
             "driver_version": vf.vf2pf.get("driver_version"),
@@ -467,6 +479,7 @@ class Host:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 3),
             "host_rss_bytes": rss_bytes(os.getpid()),
+            "sandbox": self.sandbox.report.as_dict(),
             "sched": {
                 "current": snap["current"],
                 "switches": snap["switches"],
@@ -492,6 +505,16 @@ def refuse_if_served(path: Path) -> None:
     )
 
 
+def socket_gid(group: str | int) -> int:
+    """host.socket_group as a gid: a group name or a number."""
+    if isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise DeviceError(f"host.socket_group = {group!r}: no such group") from None
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of a process now (not its peak)."""
     try:
@@ -504,6 +527,7 @@ def rss_bytes(pid: int) -> int:
 async def run_host(config: HostConfig, ready: Path | None = None) -> None:
     host = Host(config)
     await host.start()
+    print(f"gpuvirt host: {host.sandbox.report.line()}", flush=True)
     print(f"gpuvirt host: mailbox {host.socket_path}  admin {host.admin.where}", flush=True)
     if ready is not None:
         ready.write_text(str(os.getpid()))
