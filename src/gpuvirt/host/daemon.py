@@ -527,7 +527,8 @@ def rss_bytes(pid: int) -> int:
 async def run_host(config: HostConfig, ready: Path | None = None) -> None:
     host = Host(config)
     await host.start()
-    print(f"gpuvirt host: {host.sandbox.report.line()}", flush=True)
+    # stderr: stdout carries the one ready line that starters wait for
+    print(f"gpuvirt host: {host.sandbox.report.line()}", file=sys.stderr, flush=True)
     print(f"gpuvirt host: mailbox {host.socket_path}  admin {host.admin.where}", flush=True)
     if ready is not None:
         ready.write_text(str(os.getpid()))

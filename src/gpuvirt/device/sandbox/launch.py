@@ -41,7 +41,9 @@ BASE_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
-PASSED_ENV = ("CUDA_VISIBLE_DEVICES",)  # the host's choice of GPU, on cuda
+# The host's tuning of the math libraries (results must not depend on whether an
+# engine is confined) and, on cuda, its choice of GPU. Nothing else of its environment.
+PASSED_ENV_PREFIXES = ("OPENBLAS_", "NVPL_BLAS_", "CUDA_VISIBLE_DEVICES")
 START_TIMEOUT_S = 10.0
 # Between reads of a stopping engine's state the waiting (real-time) thread sleeps,
 # so the engine gets the CPU it needs to take the signal.
@@ -95,8 +97,8 @@ class Sandbox:
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         block_r, block_w = os.pipe2(os.O_CLOEXEC)
         sc_fd = seccomp.program_fd() if "seccomp" in self.report.active else None
-        env = dict(BASE_ENV)
-        env.update({k: os.environ[k] for k in PASSED_ENV if k in os.environ})
+        env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
+        env.update(BASE_ENV)
         args = bwrap.argv(
             self._bwrap, self._setpriv, self.identity(vf),
             info_fd=info_w, block_fd=block_r, seccomp_fd=sc_fd, scratch_size=s.scratch,
