@@ -3,6 +3,7 @@ required, a neighbour on VF 0 with a secret in its FB, the attacker on VF 1."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 from collections.abc import Iterator
@@ -32,6 +33,9 @@ class Scene:
         self.conn.send("check")
         return self.conn.recv()
 
+    def uid(self, vf: int) -> int:
+        return self.hp.config.engine.uid_base + vf
+
     def engine_pid(self, vf: int) -> int:
         pid = self.hp.admin.vf(vf)["engine_pid"]
         assert pid
@@ -47,9 +51,20 @@ class Scene:
         return {"admin": admin, "mailbox": h.socket_path(), "state": h.state_path()}
 
 
+_hosts = itertools.count()
+
+
+def unique_uid_base() -> int:
+    """Engine uids of this host only (other hosts on the machine use the default)."""
+    return 1_000_000 + 64 * ((os.getpid() % 5000) * 16 + next(_hosts) % 16)
+
+
 @contextmanager
 def hostile_scene(make_host: MakeHost) -> Iterator[Scene]:
-    hp = make_host(env={CANARY: "the host's own secret"}, engine={"sandbox": "required"})
+    hp = make_host(
+        env={CANARY: "the host's own secret"},
+        engine={"sandbox": "required", "uid_base": unique_uid_base()},
+    )
     parent, child = SPAWN.Pipe()
     proc = SPAWN.Process(
         target=neighbour, args=(child, str(hp.socket), hp.token(0), NEIGHBOUR_BYTES)

@@ -714,6 +714,12 @@ class HostConfig(BaseModel):
             f"socket = {_toml_str(str(h.socket_path(create=False)))}",
             f"admin = {_toml_str(admin_text)}",
             f"state_dir = {_toml_str(str(h.state_path(create=False)))}",
+            *(
+                [f"socket_group = {_toml_str(h.socket_group) if isinstance(h.socket_group, str) else h.socket_group}"]
+                if h.socket_group is not None
+                else []
+            ),
+            f"socket_mode = 0o{h.socket_mode:o}",
             "",
             "[device]",
             f"backend = {_toml_str(d.backend)}",
@@ -735,6 +741,17 @@ class HostConfig(BaseModel):
             "[reset]",
             f"ready_to_reset_wait_ms = {r.ready_to_reset_wait_ms}",
             f"guard_flr = {_toml_str(r.guard_flr)}",
+            "",
+            "[engine]",
+            f"sandbox = {_toml_str(self.engine.sandbox)}",
+            f"uid_base = {self.engine.uid_base}",
+            f"memory = {_toml_str(format_size(self.engine.memory))}"
+            if self.engine.memory is not None
+            else "# memory: not set; each engine's VF FB plus memory_allowance",
+            f"memory_allowance = {_toml_str(format_size(self.engine.memory_allowance))}",
+            f"tasks = {self.engine.tasks}",
+            f"nofile = {self.engine.nofile}",
+            f"scratch = {_toml_str(format_size(self.engine.scratch))}",
         ]
         rows: list[tuple[int, int | None, float, Path, tuple[int, ...] | None]]
         if total is not None:
