@@ -51,9 +51,8 @@ CLONE_NEWUSER = 0x10000000
 
 
 def k_identity(xp: Any) -> dict[str, Any]:
-    status = dict(
-        line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\t" in line
-    )
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
     return {
         "uid": os.getuid(), "gid": os.getgid(), "euid": os.geteuid(), "groups": os.getgroups(),
         "cap_eff": status["CapEff"].strip(), "cap_bnd": status["CapBnd"].strip(),
@@ -83,8 +82,13 @@ def k_proc_fds(xp: Any, pids: list[int]) -> dict[str, Any]:
     direct = {pid: attempt(os.listdir, f"/proc/{pid}/fd") for pid in pids}
     # control: the VF's own FB, opened again through /proc, reads as any file does
     own = [f for f in os.listdir("/proc/self/fd") if "gpuvirt-vf1-fb" in _link(f)]
-    own_read = attempt(lambda: open(f"/proc/self/fd/{own[0]}", "rb").read(1)) if own else "none"
+    own_read = attempt(_read1, f"/proc/self/fd/{own[0]}") if own else "none"
     return {"seen": seen, "direct": direct, "own_read": own_read}
+
+
+def _read1(path: str) -> None:
+    with open(path, "rb") as f:
+        f.read(1)
 
 
 def _link(fd: str) -> str:
@@ -95,7 +99,7 @@ def _link(fd: str) -> str:
 
 
 def k_read_files(xp: Any, paths: list[str]) -> dict[str, str]:
-    return {p: attempt(lambda p=p: open(p, "rb").read(1)) for p in paths}
+    return {p: attempt(_read1, p) for p in paths}
 
 
 def k_write_files(xp: Any, paths: list[str]) -> dict[str, str]:

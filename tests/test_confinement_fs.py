@@ -16,7 +16,7 @@ import pytest
 import gpuvirt
 from confine_env import CANARY, hostile_scene
 from gpuvirt.device.sandbox.launch import BASE_ENV, PASSED_ENV_PREFIXES
-from helpers import MakeHost
+from helpers import MakeHost, fb_fds
 from hostile import k_identity, k_proc_fds, k_read_files, k_scratch, k_write_files
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,6 +30,9 @@ def test_another_vfs_memory_is_out_of_reach(make_host: MakeHost) -> None:
             "gpuvirt-vf0-fb" in os.readlink(f"/proc/{sc.engine_pid(0)}/fd/{fd}")
             for fd in os.listdir(f"/proc/{sc.engine_pid(0)}/fd")
         )
+        # the guest side: each guest holds its own VF's memfd, never another's
+        assert any("gpuvirt-vf0-fb" in f for f in fb_fds(sc.neighbour_pid))
+        assert all("gpuvirt-vf0" not in f for f in fb_fds(os.getpid()))
         got = sc.gpu.launch(k_proc_fds, host_side).result(30)
         leaked = {k: v for k, v in got["seen"].items() if "gpuvirt-vf0" in v}
         assert leaked == {}, leaked

@@ -23,7 +23,9 @@ def test_the_host_and_its_sockets_cannot_be_reached(make_host: MakeHost) -> None
         with socket.create_connection(("127.0.0.1", port)):  # control: it listens
             listener.accept()[0].close()
         paths = sc.host_paths()
-        got = sc.gpu.launch(k_connect, [str(paths["admin"]), str(paths["mailbox"])], port).result(30)
+        got = sc.gpu.launch(k_connect, [str(paths["admin"]), str(paths["mailbox"])], port).result(
+            30
+        )
         assert got == {str(paths["admin"]): "ENOENT", str(paths["mailbox"]): "ENOENT",
                        "tcp": "EAFNOSUPPORT"}  # fmt: skip
         listener.settimeout(0)

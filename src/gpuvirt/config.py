@@ -715,7 +715,9 @@ class HostConfig(BaseModel):
             f"admin = {_toml_str(admin_text)}",
             f"state_dir = {_toml_str(str(h.state_path(create=False)))}",
             *(
-                [f"socket_group = {_toml_str(h.socket_group) if isinstance(h.socket_group, str) else h.socket_group}"]
+                [
+                    f"socket_group = {_toml_str(h.socket_group) if isinstance(h.socket_group, str) else h.socket_group}"
+                ]
                 if h.socket_group is not None
                 else []
             ),

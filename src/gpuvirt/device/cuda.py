@@ -340,9 +340,7 @@ class CudaDevice(Device):
 
     def new_engine(self, spec: EngineSpec) -> Engine:
         fd = self._apertures[spec.vf][0]
-        engine = CoopEngine(
-            spec, fd, "cuda", self._faults.should_fail(spec.vf), self.sandbox
-        )
+        engine = CoopEngine(spec, fd, "cuda", self._faults.should_fail(spec.vf), self.sandbox)
         self._engines[spec.vf] = engine
         return engine
 

@@ -201,9 +201,7 @@ class EmuDevice(Device):
     def _engine(
         self, spec: EngineSpec, fb_fd: int | None, fault: bool, identity: EngineSpec | None = None
     ) -> EmuEngine:
-        return EmuEngine(
-            spec, fb_fd, fault, self._watchdog, self.exec_cpus, self.sandbox, identity
-        )
+        return EmuEngine(spec, fb_fd, fault, self._watchdog, self.exec_cpus, self.sandbox, identity)
 
     def guest_fds(self, vf: int) -> list[int]:
         return [self._fbs[vf][0]]

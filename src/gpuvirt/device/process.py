@@ -60,7 +60,9 @@ class ProcessEngine(Engine):
         ]  # fmt: skip
         if fault:
             cmd.append("--fault-exit")
-        fds = tuple(fd for fd in (fb_fd, status_fd, engine_ctl.fileno(), self._idle) if fd is not None)
+        fds = tuple(
+            fd for fd in (fb_fd, status_fd, engine_ctl.fileno(), self._idle) if fd is not None
+        )
         try:
             self._proc = sandbox.launch(cmd, fds, who.vf, who.fb_size)
         finally:

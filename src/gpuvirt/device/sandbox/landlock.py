@@ -9,6 +9,7 @@ runs, through the `landlock` binding (ctypes over the three syscalls).
 from __future__ import annotations
 
 import ctypes
+import os
 
 from landlock import FSAccess, LandlockError, Ruleset, landlock_abi_version
 
@@ -35,3 +36,5 @@ def restrict_self(writable: list[str]) -> None:
     for path in writable:
         rules.allow(path)
     rules.apply()
+    # The binding keeps the ruleset's descriptor open; the engine keeps only its own.
+    os.close(rules._fd)

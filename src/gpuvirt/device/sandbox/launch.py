@@ -110,9 +110,13 @@ class Sandbox:
                 cg = cgroup.EngineCgroup(self.hier, self.instance, f"vf{vf}-{next(self._seq)}")
                 cg.limit(self.memory_for(fb_size), s.tasks)
             extra = (info_w, block_r) + ((sc_fd,) if sc_fd is not None else ())
+            # No descriptor of the host's: not even its stderr (a log file the tenant
+            # could write to). A confined engine's start failures reach the host as
+            # exit codes and (cuda) CTL_FAIL messages.
             popen = subprocess.Popen(
                 args + cmd, pass_fds=pass_fds + extra, close_fds=True,
-                stdin=subprocess.DEVNULL, start_new_session=True, env={},
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, env={},
             )  # fmt: skip
         except BaseException:
             if cg is not None:

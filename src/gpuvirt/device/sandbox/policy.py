@@ -32,7 +32,7 @@ class Mode(StrEnum):
 class Settings:
     """`[engine]` as the device layer needs it (config.py validates the values)."""
 
-    mode: Mode = Mode(C.DEFAULT_SANDBOX)
+    mode: Mode = Mode.REQUIRED  # as config.DEFAULT_SANDBOX
     uid_base: int = C.DEFAULT_UID_BASE
     memory: int | None = None  # None: the VF's FB plus memory_allowance
     memory_allowance: int = C.DEFAULT_MEMORY_ALLOWANCE
@@ -64,7 +64,7 @@ class Report:
 
     def line(self) -> str:
         if self.mode is Mode.OFF:
-            return "engine sandbox OFF (engine.sandbox = \"off\"): engines run unconfined as the host"
+            return 'engine sandbox OFF (engine.sandbox = "off"): engines run unconfined as the host'
         have = ", ".join(f"{k}: {v}" for k, v in self.active.items())
         text = f"engine sandbox {self.mode}: {have or 'nothing in force'}"
         if self.missing:
@@ -141,7 +141,7 @@ def enforce(rep: Report) -> None:
     essential = {k: v for k, v in rep.missing.items() if k != "landlock"}
     if rep.mode is Mode.REQUIRED and essential:
         raise DeviceError(
-            "engine.sandbox = \"required\" but engines cannot be confined here: "
+            'engine.sandbox = "required" but engines cannot be confined here: '
             + "; ".join(f"{k}: {v}" for k, v in essential.items())
             + '. Install what is missing, or set engine.sandbox = "best-effort" '
             '(start with what there is) or "off" (development only)'
