@@ -4,12 +4,17 @@ take, and that its VF serves the next tenant after it."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
 import gpuvirt
-from confine_env import hostile_scene
+from confine_env import CANARY, hostile_scene, unique_uid_base
+from gpuvirt.device.base import EngineSpec, WSCommand
+from gpuvirt.device.cuda import CoopEngine
+from gpuvirt.device.sandbox import Sandbox, Settings
 from gpuvirt.errors import GpuvirtError
+from gpuvirt.guest.queue import CommandQueue, kernel
 from helpers import MakeHost, last_seq, wait_event
 from hostile import k_allocate, k_identity
 
@@ -63,3 +68,32 @@ def test_six_gib_is_refused_and_only_the_attacker_pays(make_host: MakeHost) -> N
     hp = sc.hp
     with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as gpu:  # next tenant
         assert gpu.launch(lambda xp: 5).result(30) == 5
+
+
+def test_the_cuda_backends_engine_is_spawned_confined_too(tmp_path) -> None:
+    """The cooperative engine (cuda's, here over an emu FB) goes through the same
+    confined spawn: its kernels run as the VF's uid, filtered, and die with it."""
+    sandbox = Sandbox.create(Settings(uid_base=unique_uid_base()))
+    fb = os.memfd_create("test-coop-fb", os.MFD_CLOEXEC)
+    os.ftruncate(fb, 4 << 20)
+    engine = CoopEngine(EngineSpec(3, 4 << 20), fb, "emu", False, sandbox)
+    try:
+        engine.command(WSCommand.INIT_GPU, 30)
+        engine.command(WSCommand.RUN_GPU, 10)
+        guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        engine.attach_guest(engine_end.fileno())
+        engine_end.close()
+        doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        queue = CommandQueue(guest, doorbell)
+        me = queue.launch(kernel(k_identity), (), {}).result(30)
+        assert me["uid"] == sandbox.settings.uid_base + 3
+        assert me["seccomp"] == "2" and me["cap_eff"] == "0000000000000000"
+        assert CANARY not in me["env"]
+        assert os.stat(f"/proc/{engine.pid}").st_uid == me["uid"]
+        queue.close()
+    finally:
+        pid = engine.pid
+        engine.kill()
+        os.close(fb)
+        sandbox.close()
+    assert not os.path.exists(f"/proc/{pid}")
