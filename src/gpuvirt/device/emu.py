@@ -157,7 +157,9 @@ class EmuDevice(Device):
         self._fbs: dict[int, tuple[int, int]] = {}  # vf -> (fd, size)
         self._faults = _Faults(os.environ.get(FAULT_ENV, ""))
         self._watchdog = Watchdog(watchdog_tick)
-        self._spare: EmuEngine | None = None
+        # Spare engines by the VF they may serve (SPARE.vf: any, when unconfined).
+        self._spares: dict[int, EmuEngine] = {}
+        self._restarted: set[int] = set()
 
     def total_fb(self) -> int | None:
         return None
@@ -183,19 +185,21 @@ class EmuDevice(Device):
         waits for no interpreter start), and a new spare behind it."""
         fb_fd = self._fbs[spec.vf][0]
         fault = self._faults.should_fail(spec.vf)
-        spare, self._spare = self._spare, None
-        # Confined, a spare already has the identity and limits of the VF it was
-        # started for; it serves that VF only (the one that just started is the one
-        # whose FLR comes next, if any).
-        fits = not self.sandbox.per_vf_identity or (spare is not None and spare.identity == spec.vf)
-        if spare is not None and fits and not fault and spare.alive():
+        key = spec.vf if self.sandbox.per_vf_identity else SPARE.vf
+        spare = self._spares.pop(key, None)
+        if spare is not None and not fault and spare.alive():
             spare.adopt(spec, fb_fd)
             engine = spare
         else:
             if spare is not None:
                 spare.kill()
             engine = self._engine(spec, fb_fd, fault)
-        self._spare = self._engine(SPARE, None, False, identity=spec)
+        # Confined, a spare has the identity and limits of the VF it was started for and
+        # serves that VF only; one is kept for each VF that has been restarted once (the
+        # ones that see FLRs and new tenants), not for every VF at start.
+        if key == SPARE.vf or spec.vf in self._restarted:
+            self._spares[key] = self._engine(SPARE, None, False, identity=spec)
+        self._restarted.add(spec.vf)
         return engine
 
     def _engine(
@@ -214,8 +218,8 @@ class EmuDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
-        if self._spare is not None:
-            self._spare.kill()
+        for spare in self._spares.values():
+            spare.kill()
         self._watchdog.stop()
         for vf in list(self._fbs):
             self.destroy_fb(vf)
