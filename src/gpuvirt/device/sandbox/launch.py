@@ -215,9 +215,22 @@ class Engined:
             except FileNotFoundError:
                 return False
         _precise_sleeps()
+        polls = 0
         while True:
-            time.sleep(STOP_POLL_S)  # it has not stopped before it got the CPU back
-            state = _stopped(self.pid, self._stat_fd)
+            # It has not stopped before it got the CPU back: sleep first. The first
+            # polls keep the GIL (sleep and read through ctypes.PyDLL): every release
+            # would be a GIL hand-over to wait for, up to the switch interval each. Past
+            # them (a slow stop, a hang the watchdog must see) the GIL is let go.
+            if polls < HELD_POLLS:
+                _held.nanosleep(ctypes.byref(_POLL_TS), None)
+                buf = _thread.buf
+                n = _held.pread(self._stat_fd, buf, len(buf), 0)
+                stat = buf.raw[:n] if n > 0 else b""
+            else:
+                time.sleep(STOP_POLL_S)
+                stat = _read(self._stat_fd)
+            polls += 1
+            state = _stopped(self.pid, stat)
             if state is not None:
                 return state
 
@@ -251,16 +264,28 @@ class Engined:
 
 _thread = threading.local()
 PR_SET_TIMERSLACK = 29
+HELD_POLLS = 50  # ~1 ms of polls with the GIL held, then polls that release it
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_POLL_TS = _Timespec(0, int(STOP_POLL_S * 1e9))
+_held = ctypes.PyDLL(None, use_errno=True)  # PyDLL: calls that keep the GIL
+_held.pread.restype = ctypes.c_ssize_t
+_held.pread.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long]
 
 
 def _precise_sleeps() -> None:
     """The calling thread's sleeps end on time: the default 50 µs timer slack would
-    add 50 µs to every stop the scheduler thread waits for (set once per thread)."""
-    if getattr(_thread, "slack_set", False):
+    add 50 µs to every stop the scheduler thread waits for. Once per thread, with
+    the thread's own read buffer."""
+    if hasattr(_thread, "buf"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
-    _thread.slack_set = True
+    _thread.buf = ctypes.create_string_buffer(1024)  # engines start (and wait) in parallel
 
 
 def _state(stat: bytes) -> tuple[bytes, int]:
@@ -269,15 +294,22 @@ def _state(stat: bytes) -> tuple[bytes, int]:
     return rest[0], int(rest[17])
 
 
-def _stopped(pid: int, stat_fd: int) -> bool | None:
+def _read(fd: int) -> bytes:
+    try:
+        return os.pread(fd, 1024, 0)
+    except OSError:
+        return b""  # the process is gone
+
+
+def _stopped(pid: int, stat: bytes) -> bool | None:
     """True: every thread of pid is stopped; False: it is gone; None: still running.
 
-    The leader's stat is read through a descriptor kept open (no path walk per read);
-    the other threads' only when there are others and the leader has stopped."""
-    try:
-        state, threads = _state(os.pread(stat_fd, 1024, 0))
-    except (ProcessLookupError, OSError):
+    `stat` is the leader's, read through a descriptor kept open (no path walk per
+    read); the other threads' are read only when there are others and the leader
+    has stopped."""
+    if not stat:
         return False
+    state, threads = _state(stat)
     if state in (b"Z", b"X"):
         return False
     if state not in (b"T", b"t"):
