@@ -157,6 +157,23 @@ def k_syscalls(xp: Any) -> dict[str, str]:
     return out
 
 
+def k_fork_bomb(xp: Any, n: int) -> dict[str, int]:
+    """n forks; any child that came to be would exit at once (and be counted)."""
+    out: dict[str, int] = {}
+    for _ in range(n):
+        try:
+            pid = os.fork()
+        except OSError as e:
+            name = errno.errorcode.get(e.errno or 0, "?")
+            out[name] = out.get(name, 0) + 1
+            continue
+        if pid == 0:
+            os._exit(0)
+        out["forked"] = out.get("forked", 0) + 1
+        os.waitpid(pid, 0)
+    return out
+
+
 def k_threads(xp: Any, n: int) -> dict[str, Any]:
     """As many threads as it can, up to n (a process fork bomb's stand-in: the task limit)."""
     release = threading.Event()

@@ -12,7 +12,7 @@ import gpuvirt
 from confine_env import hostile_scene, thread_states, uid_processes
 from gpuvirt.config import DEFAULT_ENGINE_TASKS
 from helpers import MakeHost, wait_state
-from hostile import k_connect, k_signal, k_spinner, k_syscalls, k_threads
+from hostile import k_connect, k_fork_bomb, k_signal, k_spinner, k_syscalls, k_threads
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,7 +49,8 @@ def test_no_process_creation_and_threads_are_capped(make_host: MakeHost) -> None
         assert denied == dict.fromkeys(denied, "EPERM"), got
         assert got["clone3"] == "ENOSYS"  # so that glibc falls back to clone, which is filtered
         assert got["thread"] == "ok"
-        # 400 processes are refused one by one above; 400 threads hit the task limit
+        assert sc.gpu.launch(k_fork_bomb, 400).result(60) == {"EPERM": 400}
+        # 400 threads (allowed, unlike processes) hit the task limit
         bomb = sc.gpu.launch(k_threads, 400).result(60)
         assert bomb["started"] < DEFAULT_ENGINE_TASKS <= 400 and "thread" in bomb["error"], bomb
         assert sc.gpu.launch(k_threads, 4).result(30)["started"] == 4  # and they were released

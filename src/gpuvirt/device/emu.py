@@ -159,7 +159,6 @@ class EmuDevice(Device):
         self._watchdog = Watchdog(watchdog_tick)
         # Spare engines by the VF they may serve (SPARE.vf: any, when unconfined).
         self._spares: dict[int, EmuEngine] = {}
-        self._restarted: set[int] = set()
 
     def total_fb(self) -> int | None:
         return None
@@ -195,11 +194,9 @@ class EmuDevice(Device):
                 spare.kill()
             engine = self._engine(spec, fb_fd, fault)
         # Confined, a spare has the identity and limits of the VF it was started for and
-        # serves that VF only; one is kept for each VF that has been restarted once (the
-        # ones that see FLRs and new tenants), not for every VF at start.
-        if key == SPARE.vf or spec.vf in self._restarted:
-            self._spares[key] = self._engine(SPARE, None, False, identity=spec)
-        self._restarted.add(spec.vf)
+        # serves that VF only: one per VF (an idle interpreter each), so that every FLR
+        # waits for no interpreter start (DESIGN.md: FLR done within cmd_timeout + 300 ms).
+        self._spares[key] = self._engine(SPARE, None, False, identity=spec)
         return engine
 
     def _engine(
