@@ -118,7 +118,10 @@ def probe(s: Settings) -> tuple[Report, cgroup.Hierarchy | None]:
     if why is None:
         rep.active["seccomp"] = f"{len(seccomp.DENIED) + 2} syscalls denied, no process creation"
     else:
-        rep.missing["seccomp"] = f"{why} (as root: {INSTALL_HINT})"
+        rep.missing["seccomp"] = (
+            f"{why}: processes an engine starts would escape the world switch "
+            f"(as root: {INSTALL_HINT})"
+        )
     hier, why = cgroup.detect()
     if hier is not None:
         rep.active["cgroup"] = hier.describe()
