@@ -4,7 +4,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean sandbox-deps
+
+# What engine confinement needs from the system (docs/security.md): bubblewrap,
+# libseccomp (pyseccomp loads it) and setpriv (util-linux). Root installs what is
+# missing; anyone else is told the one command to run.
+SANDBOX_PKGS := bubblewrap libseccomp2 util-linux
+sandbox-deps:
+	@missing=""; \
+	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	command -v setpriv >/dev/null 2>&1 || missing="$$missing util-linux"; \
+	ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || missing="$$missing libseccomp2"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing engine sandbox packages:$$missing"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y $$missing || \
+	      { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $$missing; }; \
+	  else \
+	    echo "engine sandbox needs:$$missing; run: sudo apt-get install -y$$missing" >&2; exit 1; \
+	  fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,10 +31,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) sandbox-deps
 	$(BIN)/gpuvirt demo
 
-test: $(STAMP)
+test: $(STAMP) sandbox-deps
 	$(BIN)/ruff check src tests
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q

@@ -557,10 +557,14 @@ def test_dump_has_every_key_and_round_trips() -> None:
         """
         [host]
         admin = "[::1]:9464"
+        socket_group = "root"
         [device]
         fb_total = "3GiB"
         [sriov]
         vf_num = 3
+        [engine]
+        sandbox = "best-effort"
+        memory = "2GiB"
         [scheduler]
         policy = "weighted"
         job_timeout_s = 2.5
@@ -581,6 +585,8 @@ def test_dump_has_every_key_and_round_trips() -> None:
     assert [vf["index"] for vf in data["vf"]] == [0, 1, 2]
     again = parse_config(text)
     assert again.vf_layout() == cfg.vf_layout()
+    assert again.engine == cfg.engine
+    assert again.host.socket_group == "root" and again.host.socket_mode == cfg.host.socket_mode
     for section in section_keys:
         if section != "host":
             assert getattr(again, section) == getattr(cfg, section), section

@@ -39,7 +39,7 @@ from gpuvirt.device.budget import (
 )
 from gpuvirt.device.cuda import CoopEngine, gpu_info
 from gpuvirt.device.cuda_executor import map_arrays, pool_limit
-from gpuvirt.device.spare import SPARE, Spare
+from gpuvirt.device.spare import ANY, SPARE, Spares
 from gpuvirt.device.status import Word
 from gpuvirt.errors import ConfigError, DeviceError
 from gpuvirt.guest.queue import CommandQueue, kernel
@@ -236,9 +236,9 @@ def _channel(engine: CoopEngine) -> CommandQueue:
 def test_cooperative_spare_adopts_a_vf_and_runs_its_kernels() -> None:
     fb = os.memfd_create("test-spare-fb", os.MFD_CLOEXEC)
     os.ftruncate(fb, FB_SIZE)
-    spare: Spare[CoopEngine] = Spare(lambda: CoopEngine(SPARE, None, "emu"))
-    spare.refill()
-    engine = spare.take(EngineSpec(3, FB_SIZE), fb, fault=False)
+    spare: Spares[CoopEngine] = Spares(lambda identity: CoopEngine(SPARE, None, "emu"))
+    spare.refill(ANY, EngineSpec(3, FB_SIZE))
+    engine = spare.take(ANY, EngineSpec(3, FB_SIZE), fb, fault=False)
     assert engine is not None and engine.spec.vf == 3
     queue = _channel(engine)
     try:
@@ -262,19 +262,21 @@ def test_spare_is_not_given_when_a_fault_wants_a_fresh_start_or_it_died() -> Non
     os.ftruncate(fb, FB_SIZE)
     started: list[CoopEngine] = []
 
-    def start() -> CoopEngine:
+    def start(identity: EngineSpec) -> CoopEngine:
         started.append(CoopEngine(SPARE, None, "emu"))
         return started[-1]
 
-    spare: Spare[CoopEngine] = Spare(start)
+    spare: Spares[CoopEngine] = Spares(start)
+    vf0 = EngineSpec(0, FB_SIZE)
     try:
-        spare.refill()
-        assert spare.take(EngineSpec(0, FB_SIZE), fb, fault=True) is None
+        spare.refill(0, vf0)
+        assert spare.take(1, EngineSpec(1, FB_SIZE), fb, fault=False) is None  # VF0's only
+        assert spare.take(0, vf0, fb, fault=True) is None
         assert not started[0].alive()  # reaped, not left behind
-        spare.refill()
+        spare.refill(0, vf0)
         started[1].kill()
-        assert spare.take(EngineSpec(0, FB_SIZE), fb, fault=False) is None
-        assert spare.take(EngineSpec(0, FB_SIZE), fb, fault=False) is None  # none left
+        assert spare.take(0, vf0, fb, fault=False) is None
+        assert spare.take(0, vf0, fb, fault=False) is None  # none left
     finally:
         spare.close()
         os.close(fb)

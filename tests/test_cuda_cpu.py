@@ -61,7 +61,7 @@ def test_emu_is_selected_by_name() -> None:
 @needs_no_cupy
 def test_cuda_without_cupy_says_what_to_install() -> None:
     with pytest.raises(DeviceError) as err:
-        make_device("cuda", 256 << 20)
+        make_device("cuda", kernel_scratch=256 << 20)
     msg = str(err.value)
     assert "CuPy" in msg and INSTALL_HINT in msg and "emu" in msg
 
@@ -73,7 +73,7 @@ def test_cuda_with_cupy_hidden_says_what_to_install() -> None:
         "from gpuvirt.device import make_device\n"
         "from gpuvirt.errors import DeviceError\n"
         "try:\n"
-        "    make_device('cuda', 256 << 20)\n"
+        "    make_device('cuda', kernel_scratch=256 << 20)\n"
         "except DeviceError as e:\n"
         "    print(e)\n"
     )
@@ -91,7 +91,7 @@ def test_cuda_with_broken_cupy_says_it_does_not_import(tmp_path: Path) -> None:
         "from gpuvirt.device import make_device\n"
         "from gpuvirt.errors import DeviceError\n"
         "try:\n"
-        "    make_device('cuda', 256 << 20)\n"
+        "    make_device('cuda', kernel_scratch=256 << 20)\n"
         "except DeviceError as e:\n"
         "    print(e)\n"
     )

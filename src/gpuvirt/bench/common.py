@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, int(q / 100 * len(s)))]
 
 
+# `gpuvirt bench --sandbox MODE`: the engine.sandbox of every host a suite starts,
+# so confinement's cost is measured by running the same suite both ways.
+SANDBOX_ENV = "GPUVIRT_BENCH_SANDBOX"
+
+
 def host_config(workdir: Path, **sections: dict[str, Any]) -> HostConfig:
     base: dict[str, Any] = {
         "host": {
@@ -70,6 +76,8 @@ def host_config(workdir: Path, **sections: dict[str, Any]) -> HostConfig:
         },
         "device": {"fb_total": "1GiB", "pf_fb": "64MiB"},
     }
+    if os.environ.get(SANDBOX_ENV):
+        base["engine"] = {"sandbox": os.environ[SANDBOX_ENV]}
     for name, values in sections.items():
         if name == "vf":
             base["vf"] = values

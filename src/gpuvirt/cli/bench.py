@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +11,7 @@ import typer
 from rich.table import Table
 
 from gpuvirt.bench import SUITES
-from gpuvirt.bench.common import Result
+from gpuvirt.bench.common import SANDBOX_ENV, Result
 from gpuvirt.cli.common import JsonOpt, console, fail, print_json
 
 
@@ -40,8 +41,17 @@ def bench(
     report: Annotated[
         Path | None, typer.Option(help="With `all`: write report.md and plots here.")
     ] = None,
+    sandbox: Annotated[
+        str | None,
+        typer.Option(
+            help="engine.sandbox of the hosts benchmarked (required | off): "
+            "run twice to measure what confinement costs"
+        ),
+    ] = None,
 ) -> None:
     """Measure gpuvirt against baselines run side by side; ratios, not absolutes."""
+    if sandbox is not None:
+        os.environ[SANDBOX_ENV] = sandbox
     names = list(SUITES) if name == "all" else [name]
     if any(n not in SUITES for n in names):
         raise fail(f"unknown benchmark {name!r}; one of: {', '.join(SUITES)}, all", 2)

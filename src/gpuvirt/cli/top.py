@@ -163,8 +163,9 @@ def device_table(status: Mapping[str, Any], rates: DeviceRates | None = None) ->
     sc = status["sched"]
     t = Table(title="gpuvirt top", title_justify="left", header_style="bold", expand=False)
     for col in ("backend", "policy", "slice", "uptime", "switches", "switches/s", "lost",
-                "switch p50", "switch p99", "host RSS"):  # fmt: skip
-        t.add_column(col, justify="left" if col in ("backend", "policy") else "right")
+                "switch p50", "switch p99", "host RSS", "engines"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("backend", "policy", "engines") else "right")
+    confined = status.get("sandbox", {}).get("confined", False)
     t.add_row(
         status["backend"],
         status["policy"],
@@ -176,6 +177,7 @@ def device_table(status: Mapping[str, Any], rates: DeviceRates | None = None) ->
         _num(sc["switch_p50_us"], "{:.0f} µs"),
         _num(sc["switch_p99_us"], "{:.0f} µs"),
         human_bytes(status["host_rss_bytes"]),
+        "confined" if confined else "[bold red]UNCONFINED[/]",
     )
     return t
 

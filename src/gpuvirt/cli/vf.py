@@ -22,8 +22,8 @@ Index = Annotated[int, typer.Argument(help="VF index", min=0, max=30)]
 def vf_table(vfs: list[dict[str, Any]], title: str | None = None) -> Table:
     t = Table(title=title, header_style="bold")
     for col in ("VF", "state", "guest", "weight", "share cfg", "share now", "FB used", "FB",
-                "ctx", "launches", "FLRs", "guard"):  # fmt: skip
-        t.add_column(col, justify="right" if col not in ("state", "guard") else "left")
+                "ctx", "launches", "FLRs", "guard", "engine"):  # fmt: skip
+        t.add_column(col, justify="right" if col not in ("state", "guard", "engine") else "left")
     for v in vfs:
         g = v["guard"]
         t.add_row(
@@ -40,6 +40,8 @@ def vf_table(vfs: list[dict[str, Any]], title: str | None = None) -> Table:
             str(v["launches_completed"]),
             str(v["flr_count"]),
             "TRIPPED" if g["tripped"] else f"{g['recent_flrs']}/{g['limit']}",
+            # an unconfined engine is said on every line (engine.sandbox = "off")
+            "confined" if v.get("sandbox") == "confined" else "[bold red]UNCONFINED[/]",
         )
     return t
 

@@ -1,6 +1,7 @@
 """Host configuration: TOML in, validated and frozen settings out.
 
-- Every default lives in `defaults`; other modules read a `HostConfig` or
+- Every default lives in `gpuvirt.defaults` (outside this package, so the device
+  layer reads them without pydantic); other modules read a `HostConfig` or
   those constants and never carry their own copy of a number.
 - A bad configuration is refused as a whole with one `ConfigError` listing
   every problem, one per line, ``dotted.key = value: reason`` (`loader`).
@@ -13,7 +14,21 @@
 
 from __future__ import annotations
 
-from gpuvirt.config.defaults import (
+from gpuvirt.config.loader import config_from_dict, load_config, parse_config, parse_vf_settings
+from gpuvirt.config.model import HostConfig
+from gpuvirt.config.sections import (
+    DeviceSection,
+    EngineSection,
+    HostSection,
+    ResetSection,
+    SchedulerSection,
+    SriovSection,
+    VFPlan,
+    VFSection,
+    VFSettings,
+)  # fmt: skip
+from gpuvirt.config.sizes import MAX_SIZE, format_size, parse_size, parse_window
+from gpuvirt.defaults import (
     DEFAULT_CMD_TIMEOUT_MS,
     DEFAULT_COOP_IDLE_TIMEOUT_MS,
     DEFAULT_EMU_FB_TOTAL,
@@ -42,19 +57,6 @@ from gpuvirt.config.defaults import (
     MiB,
     TiB,
 )  # fmt: skip
-from gpuvirt.config.loader import config_from_dict, load_config, parse_config, parse_vf_settings
-from gpuvirt.config.model import HostConfig
-from gpuvirt.config.sections import (
-    DeviceSection,
-    HostSection,
-    ResetSection,
-    SchedulerSection,
-    SriovSection,
-    VFPlan,
-    VFSection,
-    VFSettings,
-)  # fmt: skip
-from gpuvirt.config.sizes import MAX_SIZE, format_size, parse_size, parse_window
 from gpuvirt.paths import (
     ADMIN_SOCKET_NAME,
     CONFIG_ENV,
@@ -102,6 +104,7 @@ __all__ = [
     "VF2PF_INTERVAL_MS",
     "VF2PF_MAX_BAD",
     "DeviceSection",
+    "EngineSection",
     "GiB",
     "HostConfig",
     "HostSection",

@@ -7,10 +7,10 @@ from typing import Self
 
 from pydantic import BaseModel, Field, model_validator
 
-from gpuvirt.config.defaults import DEFAULT_EMU_FB_TOTAL, DEFAULT_VF_WEIGHT, FB_ALIGN, MIN_VF_FB
 from gpuvirt.config.sections import (
     MODEL,
     DeviceSection,
+    EngineSection,
     HostSection,
     ResetSection,
     SchedulerSection,
@@ -20,6 +20,7 @@ from gpuvirt.config.sections import (
 )  # fmt: skip
 from gpuvirt.config.sizes import format_size
 from gpuvirt.config.toml import toml_str
+from gpuvirt.defaults import DEFAULT_EMU_FB_TOTAL, DEFAULT_VF_WEIGHT, FB_ALIGN, MIN_VF_FB
 from gpuvirt.errors import ConfigError
 
 
@@ -41,6 +42,7 @@ class HostConfig(BaseModel):
     sriov: SriovSection = Field(default_factory=SriovSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     reset: ResetSection = Field(default_factory=ResetSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
     vf: list[VFSection] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -182,7 +184,7 @@ class HostConfig(BaseModel):
         ``device.fb_total``, sizes are known only with ``device_total``;
         without it they are left as comments.
         """
-        h, d, s, r = self.host, self.device, self.scheduler, self.reset
+        h, d, s, r, e = self.host, self.device, self.scheduler, self.reset, self.engine
         admin = h.admin_address(create=False)
         if isinstance(admin, tuple):
             host, port = admin
@@ -200,6 +202,12 @@ class HostConfig(BaseModel):
             f"socket = {toml_str(str(h.socket_path(create=False)))}",
             f"admin = {toml_str(admin_text)}",
             f"state_dir = {toml_str(str(h.state_path(create=False)))}",
+            *(
+                [f"socket_group = {_toml_value(h.socket_group)}"]
+                if h.socket_group is not None
+                else []
+            ),
+            f"socket_mode = 0o{h.socket_mode:o}",
             "",
             "[device]",
             f"backend = {toml_str(d.backend)}",
@@ -223,6 +231,17 @@ class HostConfig(BaseModel):
             "[reset]",
             f"ready_to_reset_wait_ms = {r.ready_to_reset_wait_ms}",
             f"guard_flr = {toml_str(r.guard_flr)}",
+            "",
+            "[engine]",
+            f"sandbox = {toml_str(e.sandbox)}",
+            f"uid_base = {e.uid_base}",
+            f"memory = {toml_str(format_size(e.memory))}"
+            if e.memory is not None
+            else "# memory: not set; each engine's VF FB plus memory_allowance",
+            f"memory_allowance = {toml_str(format_size(e.memory_allowance))}",
+            f"tasks = {e.tasks}",
+            f"nofile = {e.nofile}",
+            f"scratch = {toml_str(format_size(e.scratch))}",
         ]
         rows: list[tuple[int, int | None, float, Path, tuple[int, ...] | None]]
         if total is not None:
@@ -253,3 +272,7 @@ class HostConfig(BaseModel):
             else:
                 lines.append(f"allowed_uids = [{', '.join(map(str, uids))}]")
         return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: str | int) -> str:
+    return toml_str(value) if isinstance(value, str) else str(value)

@@ -14,24 +14,31 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
-from gpuvirt.config.defaults import (
+from gpuvirt.config.sizes import format_size, parse_size, parse_window
+from gpuvirt.defaults import (
     DEFAULT_CMD_TIMEOUT_MS,
     DEFAULT_COOP_IDLE_TIMEOUT_MS,
+    DEFAULT_ENGINE_NOFILE,
+    DEFAULT_ENGINE_SCRATCH,
+    DEFAULT_ENGINE_TASKS,
     DEFAULT_FULLACCESS_TIMEOUT_MS,
     DEFAULT_GUARD_FLR,
     DEFAULT_JOB_TIMEOUT_S,
     DEFAULT_KERNEL_SCRATCH,
+    DEFAULT_MEMORY_ALLOWANCE,
     DEFAULT_PF_FB,
     DEFAULT_POLICY,
     DEFAULT_READY_TO_RESET_WAIT_MS,
+    DEFAULT_SANDBOX,
+    DEFAULT_SOCKET_MODE,
     DEFAULT_TIME_SLICE_MS,
+    DEFAULT_UID_BASE,
     DEFAULT_VF_NUM,
     DEFAULT_VF_WEIGHT,
     MAX_TIME_SLICE_MS,
     MAX_VF_NUM,
     MIN_VF_FB,
 )  # fmt: skip
-from gpuvirt.config.sizes import format_size, parse_size, parse_window
 from gpuvirt.paths import (
     ADMIN_SOCKET_NAME,
     SOCKET_NAME,
@@ -40,6 +47,7 @@ from gpuvirt.paths import (
 )  # fmt: skip
 
 Policy = Literal["fairness", "round_robin", "liquid", "weighted"]
+SandboxMode = Literal["required", "best-effort", "off"]
 Backend = Literal["emu", "cuda"]
 
 
@@ -163,6 +171,11 @@ class HostSection(BaseModel):
     socket: AbsPath | None = None
     admin: Annotated[str, BeforeValidator(_admin_text)] | None = None
     state_dir: AbsPath | None = None
+    # Group (name or gid) that owns the mailbox socket, so tenants who are ordinary
+    # users can attach to a root host; socket_mode is its mode (no bits for others
+    # unless set here).
+    socket_group: str | int | None = None
+    socket_mode: Annotated[int, _in_range(0, 0o777)] = DEFAULT_SOCKET_MODE
 
     def socket_path(self, *, create: bool = True) -> Path:
         """The mailbox socket: ``socket``, else ``default_runtime_dir()/host.sock``."""
@@ -236,6 +249,22 @@ class ResetSection(BaseModel):
     def guard_window_s(self) -> float:
         """Length of the guard's sliding window in seconds."""
         return parse_window(self.guard_flr)[1]
+
+
+class EngineSection(BaseModel):
+    """``[engine]``: how every engine (a tenant's kernels) is confined; docs/security.md."""
+
+    model_config = MODEL
+
+    # required: refuse to start unless every protection can be applied; best-effort:
+    # start with what there is and say what is missing; off: development only.
+    sandbox: SandboxMode = DEFAULT_SANDBOX
+    uid_base: Annotated[int, _in_range(1, 2**31 - 64)] = DEFAULT_UID_BASE
+    memory: NonZeroSize | None = None  # None: the VF's FB plus memory_allowance
+    memory_allowance: Size = DEFAULT_MEMORY_ALLOWANCE
+    tasks: Annotated[int, _in_range(4, 65536)] = DEFAULT_ENGINE_TASKS
+    nofile: Annotated[int, _in_range(32, 1 << 20)] = DEFAULT_ENGINE_NOFILE
+    scratch: NonZeroSize = DEFAULT_ENGINE_SCRATCH
 
 
 class VFSection(BaseModel):

@@ -6,8 +6,8 @@ import math
 import re
 from fractions import Fraction
 
-from gpuvirt.config.defaults import GiB, KiB, MiB, TiB
 from gpuvirt.config.toml import toml_type
+from gpuvirt.defaults import GiB, KiB, MiB, TiB
 
 # A size string longer than this is garbage, and refusing it early keeps huge
 # digit strings away from Fraction().

@@ -58,7 +58,8 @@ from gpuvirt.device.ctl import CTL_FAIL, CTL_WAKE
 from gpuvirt.device.faults import FAULT_ENV, StartFaults
 from gpuvirt.device.memfd import punch_hole
 from gpuvirt.device.process import ProcessEngine
-from gpuvirt.device.spare import SPARE, Spare
+from gpuvirt.device.sandbox import Sandbox
+from gpuvirt.device.spare import ANY, SPARE, Spares
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.info import FEATURE_NETGPU, FEATURE_STAGING, RESERVED_SIZE
@@ -225,11 +226,13 @@ class CoopEngine(ProcessEngine):
         backend: str = "cuda",
         fault: bool = False,
         scratch: int = 0,
+        sandbox: Sandbox | None = None,
+        identity: EngineSpec | None = None,
     ) -> None:
         """fb_fd None: a spare (device/spare.py); scratch: the cap on kernel temporaries."""
         self.failure: str | None = None  # what the engine said when it could not start
         extra = ["--switch", "coop", "--scratch", str(scratch)]
-        super().__init__(spec, fb_fd, backend, extra, fault)
+        super().__init__(spec, fb_fd, backend, extra, fault, sandbox or Sandbox.off(), identity)
         self._poll = select.epoll()
         self._poll.register(self._ctl.fileno(), select.EPOLLIN)
         self._poll.register(self._pidfd, select.EPOLLIN)
@@ -333,16 +336,24 @@ class CudaDevice(Device):
     backend = "cuda"
 
     def __init__(
-        self, kernel_scratch: int, probe_timeout: float = PROBE_TIMEOUT_S
+        self,
+        sandbox: Sandbox | None = None,
+        kernel_scratch: int = 0,
+        probe_timeout: float = PROBE_TIMEOUT_S,
     ) -> None:
+        """sandbox None: unconfined engines (device tests); the host passes its own."""
+        self.sandbox = sandbox or Sandbox.off()
         self.gpu = probe_gpu(probe_timeout)
         self.memory = EngineMemory(context=self.gpu.context, scratch=kernel_scratch)
         self._apertures: dict[int, tuple[int, int]] = {}  # vf -> (aperture fd, FB size)
         self._engines: dict[int, CoopEngine] = {}
         self._faults = StartFaults(os.environ.get(FAULT_ENV, ""))
-        self._spare: Spare[CoopEngine] = Spare(
-            lambda: CoopEngine(SPARE, None, "cuda", scratch=kernel_scratch)
-        )
+        self._spares: Spares[CoopEngine] = Spares(
+            lambda identity: CoopEngine(
+                SPARE, None, "cuda", scratch=kernel_scratch, sandbox=self.sandbox,
+                identity=identity,
+            )
+        )  # fmt: skip
 
     def total_fb(self, vf_num: int) -> int | None:
         # The config takes pf_fb off this itself (HostConfig.vf_layout).
@@ -383,10 +394,11 @@ class CudaDevice(Device):
         spare behind it."""
         fd = self._apertures[spec.vf][0]
         fault = self._faults.should_fail(spec.vf)
-        engine = self._spare.take(spec, fd, fault)
+        key = spec.vf if self.sandbox.per_vf_identity else ANY  # as emu's spares
+        engine = self._spares.take(key, spec, fd, fault)
         if engine is None:
-            engine = CoopEngine(spec, fd, "cuda", fault, self.memory.scratch)
-        self._spare.refill()
+            engine = CoopEngine(spec, fd, "cuda", fault, self.memory.scratch, self.sandbox)
+        self._spares.refill(key, spec)
         self._engines[spec.vf] = engine
         return engine
 
@@ -402,6 +414,7 @@ class CudaDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
-        self._spare.close()
+        self._spares.close()
         for vf in list(self._apertures):
             self.destroy_fb(vf)
+        self.sandbox.close()

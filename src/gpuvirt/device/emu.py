@@ -1,7 +1,8 @@
 """The emulated GPU: FBs are memfds, engines are OS processes.
 
 World switch is real preemption: IDLE_GPU stops the engine process with
-SIGSTOP and confirms the stop with waitid(WSTOPPED), RUN_GPU continues it, so
+SIGSTOP and confirms the stop (waitid, or /proc when sandboxed: see
+device/sandbox/launch.py), RUN_GPU continues it, so
 a kernel is paused mid-instruction. Scrubbing punches a hole over the whole
 memfd: every page reads as zero afterwards, for every mapping, and the memory
 goes back to the host without being touched page by page.
@@ -24,7 +25,8 @@ from gpuvirt.device.base import (
 from gpuvirt.device.faults import FAULT_ENV, StartFaults
 from gpuvirt.device.memfd import punch_hole
 from gpuvirt.device.process import ProcessEngine
-from gpuvirt.device.spare import SPARE, Spare
+from gpuvirt.device.sandbox import Sandbox
+from gpuvirt.device.spare import ANY, SPARE, Spares
 from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU
 
 
@@ -36,8 +38,10 @@ class EmuEngine(ProcessEngine):
         fault: bool,
         watchdog: Watchdog,
         cpus: set[int],
+        sandbox: Sandbox,
+        identity: EngineSpec | None = None,
     ) -> None:
-        super().__init__(spec, fb_fd, "emu", [], fault)
+        super().__init__(spec, fb_fd, "emu", [], fault, sandbox, identity)
         self._watchdog = watchdog
         self._cpus = cpus
         watchdog.add(self)
@@ -57,17 +61,8 @@ class EmuEngine(ProcessEngine):
         The deadline is the watchdog's business (device/base.py): it kills an engine
         that overruns, and the exit ends this wait.
         """
-        while True:
-            try:
-                info = os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
-            except ChildProcessError:
-                info = None
-            if info is not None and info.si_code == os.CLD_STOPPED:
-                os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WNOHANG)  # consume it
-                return
-            if info is None or info.si_code in (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED):
-                break
-            # CLD_CONTINUED and the like: not what we wait for
+        if self._proc.wait_stopped():
+            return
         if self.timed_out:
             raise CommandTimeout(
                 f"VF{self.spec.vf}: engine pid {self.pid} did not stop within "
@@ -100,7 +95,10 @@ class EmuEngine(ProcessEngine):
 class EmuDevice(Device):
     backend = "emu"
 
-    def __init__(self, watchdog_tick: float = 0.05) -> None:
+    def __init__(self, sandbox: Sandbox | None = None, watchdog_tick: float = 0.05) -> None:
+        """sandbox None: unconfined engines, for tests that drive the device directly;
+        the host always passes its own (see device/sandbox/)."""
+        self.sandbox = sandbox or Sandbox.off()
         # The emulated GPU executes on one CPU, the last this host may use: one VF's
         # engine runs at a time anyway, and a stop or continue that stays on one CPU
         # needs no inter-processor interrupt (p50 switch ~145 → ~115 µs measured here).
@@ -108,8 +106,8 @@ class EmuDevice(Device):
         self._fbs: dict[int, tuple[int, int]] = {}  # vf -> (fd, size)
         self._faults = StartFaults(os.environ.get(FAULT_ENV, ""))
         self._watchdog = Watchdog(watchdog_tick)
-        self._spare: Spare[EmuEngine] = Spare(
-            lambda: EmuEngine(SPARE, None, False, self._watchdog, self.exec_cpus)
+        self._spares: Spares[EmuEngine] = Spares(
+            lambda identity: self._engine(SPARE, None, False, identity=identity)
         )
 
     def total_fb(self, vf_num: int) -> int | None:
@@ -136,11 +134,20 @@ class EmuDevice(Device):
         waits for no interpreter start), and a new spare behind it."""
         fb_fd = self._fbs[spec.vf][0]
         fault = self._faults.should_fail(spec.vf)
-        engine = self._spare.take(spec, fb_fd, fault)
+        # Confined, a spare has the identity and limits of the VF it was started for and
+        # serves that VF only: one per VF (an idle interpreter each), so that every FLR
+        # waits for no interpreter start (DESIGN.md: FLR done within cmd_timeout + 300 ms).
+        key = spec.vf if self.sandbox.per_vf_identity else ANY
+        engine = self._spares.take(key, spec, fb_fd, fault)
         if engine is None:
-            engine = EmuEngine(spec, fb_fd, fault, self._watchdog, self.exec_cpus)
-        self._spare.refill()
+            engine = self._engine(spec, fb_fd, fault)
+        self._spares.refill(key, spec)
         return engine
+
+    def _engine(
+        self, spec: EngineSpec, fb_fd: int | None, fault: bool, identity: EngineSpec | None = None
+    ) -> EmuEngine:
+        return EmuEngine(spec, fb_fd, fault, self._watchdog, self.exec_cpus, self.sandbox, identity)
 
     def guest_fds(self, vf: int) -> list[int]:
         return [self._fbs[vf][0]]
@@ -153,7 +160,8 @@ class EmuDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
-        self._spare.close()
+        self._spares.close()
         self._watchdog.stop()
         for vf in list(self._fbs):
             self.destroy_fb(vf)
+        self.sandbox.close()

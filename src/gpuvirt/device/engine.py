@@ -346,9 +346,15 @@ def main(argv: list[str] | None = None) -> None:
         "--scratch", type=int, default=0,
         help="cuda: the cap on kernel temporaries (CuPy's pool), outside the FB",
     )  # fmt: skip
-    p.add_argument("--host-pid", type=int, required=True)
+    p.add_argument("--host-pid", type=int, required=True, help="0: the sandbox kills us with it")
+    p.add_argument("--landlock", metavar="DIR", help="apply Landlock: write only beneath DIR")
     a = p.parse_args(argv)
-    _die_with_host(a.host_pid)
+    if a.host_pid:
+        _die_with_host(a.host_pid)
+    if a.landlock:  # before any tenant code, and before the executor's threads start
+        from gpuvirt.device.sandbox.landlock import restrict_self
+
+        restrict_self([a.landlock])
     # Starting an interpreter and importing numpy is background work: at a low priority
     # it does not take the CPU from the VFs running meanwhile (an FLR's neighbours). The
     # host restores normal priority once INIT_GPU is done.

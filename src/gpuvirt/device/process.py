@@ -1,10 +1,10 @@
 """An engine that is an OS process: how both backends spawn, watch and reap one.
 
 The host spawns `python -m gpuvirt.device.engine` with its descriptors (the FB
-or aperture, the status area, a control socket, the idle eventfd) and reaps it
-itself with waitid/waitpid; Popen is only the spawner. Backends add how a
-world-switch command reaches the process (emu: signals; cuda: acknowledged
-commands).
+or aperture, the status area, a control socket, the idle eventfd) and nothing
+else, inside the host's sandbox (device/sandbox/), which confines it to its VF.
+Backends add how a world-switch command reaches the process (emu: signals;
+cuda: acknowledged commands).
 """
 
 from __future__ import annotations
@@ -12,19 +12,14 @@ from __future__ import annotations
 import array
 import contextlib
 import os
-import signal
+import select
 import socket
-import subprocess
 import sys
 
 from gpuvirt.device.base import Engine, EngineSpec
 from gpuvirt.device.ctl import ADOPT, CTL_ADOPT, CTL_EXIT, CTL_GUEST
+from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.status import StatusArea
-
-# An engine is one execution context, as a VF is one slice of the device. It also
-# stops faster: SIGSTOP is confirmed only once every thread of the process has
-# stopped, and an idle BLAS worker thread has to be woken to do so.
-ENGINE_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def send_fd(sock: socket.socket, msg: bytes, fd: int) -> None:
@@ -33,9 +28,21 @@ def send_fd(sock: socket.socket, msg: bytes, fd: int) -> None:
 
 class ProcessEngine(Engine):
     def __init__(
-        self, spec: EngineSpec, fb_fd: int | None, backend: str, extra: list[str], fault: bool
+        self,
+        spec: EngineSpec,
+        fb_fd: int | None,
+        backend: str,
+        extra: list[str],
+        fault: bool,
+        sandbox: Sandbox,
+        identity: EngineSpec | None = None,
     ) -> None:
-        """fb_fd None: a spare, which gets its FB later (adopt)."""
+        """fb_fd None: a spare, which gets its FB later (adopt).
+
+        identity: the VF (and FB size) whose uid and limits the engine gets, where
+        that is not spec's: a spare started for the VF it will serve."""
+        who = identity or spec
+        self.identity = who.vf
         status_fd = StatusArea.create(f"gpuvirt-vf{spec.vf}-status")
         super().__init__(spec, StatusArea(status_fd))
         self._prepare()
@@ -47,22 +54,21 @@ class ProcessEngine(Engine):
             "--vf", str(spec.vf), "--fb-size", str(spec.fb_size),
             "--fb-fd", str(-1 if fb_fd is None else fb_fd), "--status-fd", str(status_fd),
             "--ctl-fd", str(engine_ctl.fileno()), "--idle-fd", str(self._idle),
-            "--host-pid", str(os.getpid()),
+            # Confined, the sandbox kills the engine with the host (bwrap --die-with-parent).
+            "--host-pid", str(0 if sandbox.report.confined else os.getpid()),
+            *sandbox.landlock_args(),
         ]  # fmt: skip
         if fault:
             cmd.append("--fault-exit")
-        self._popen = subprocess.Popen(
-            cmd,
-            pass_fds=tuple(
-                fd for fd in (fb_fd, status_fd, engine_ctl.fileno(), self._idle) if fd is not None
-            ),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env={**os.environ, **ENGINE_ENV},
+        fds = tuple(
+            fd for fd in (fb_fd, status_fd, engine_ctl.fileno(), self._idle) if fd is not None
         )
-        engine_ctl.close()
-        os.close(status_fd)
-        self._pidfd = os.pidfd_open(self._popen.pid)
+        try:
+            self._proc = sandbox.launch(cmd, fds, who.vf, who.fb_size)
+        finally:
+            engine_ctl.close()
+            os.close(status_fd)
+        self._pidfd = os.pidfd_open(self._proc.pid)
         self._reaped = False
 
     def _prepare(self) -> None:
@@ -73,7 +79,7 @@ class ProcessEngine(Engine):
 
     @property
     def pid(self) -> int:
-        return self._popen.pid
+        return self._proc.pid
 
     def exit_fd(self) -> int:
         return self._pidfd
@@ -84,7 +90,8 @@ class ProcessEngine(Engine):
     def alive(self) -> bool:
         if self._reaped:
             return False
-        return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        # the pidfd turns readable when the engine exits, child of ours or not
+        return not select.select([self._pidfd], [], [], 0)[0]
 
     def adopt(self, spec: EngineSpec, fb_fd: int) -> None:
         """Give a spare (started with fb_fd None) its VF; INIT_GPU then completes as for
@@ -102,12 +109,9 @@ class ProcessEngine(Engine):
             return
         with contextlib.suppress(OSError):
             self._ctl.send(CTL_EXIT)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        # Returns once the process is gone (on cuda: once the driver tore its context
-        # down, a kernel still running on the device with it).
-        _pid, status = os.waitpid(self.pid, 0)
-        self._popen.returncode = os.waitstatus_to_exitcode(status)
+        # Returns once the process (and all it started) is gone (on cuda: once the
+        # driver tore its context down, a kernel still running on the device with it).
+        self._proc.kill()
         self._reaped = True
         self._reaped_cleanup()
         for fd in (self._pidfd, self._idle):

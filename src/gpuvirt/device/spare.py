@@ -1,10 +1,14 @@
-"""A spare engine, started ahead of need, that the next VF's engine start adopts.
+"""Spare engines, started ahead of need, that the next engine start of a VF adopts.
 
 Starting an engine means an interpreter, imports and (on cuda) a CUDA context
 with its warm-up: hundreds of milliseconds to seconds, which an FLR or a fini
-would otherwise spend under the host's lifecycle lock. Both backends keep one
-engine started with no VF (`SPARE`); `take` hands it the VF's FB (CTL_ADOPT),
-and the caller starts the next spare behind it with `refill`.
+would otherwise spend under the host's lifecycle lock. Both backends keep
+engines started with no VF (`SPARE`); `take` hands one the VF's FB
+(CTL_ADOPT), and the caller starts the next behind it with `refill`.
+
+Unconfined, one spare serves any VF (key `ANY`). Confined, an engine has the
+uid and limits of the VF it was started for (device/sandbox/), so a spare
+serves that VF only: one per VF, keyed by its index.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Generic, Protocol, TypeVar
 from gpuvirt.device.base import EngineSpec
 
 SPARE = EngineSpec(vf=-1, fb_size=0)  # a spare's spec until it adopts a VF
+ANY = SPARE.vf  # the key of a spare any VF may adopt
 
 
 class Adoptable(Protocol):
@@ -28,16 +33,17 @@ class Adoptable(Protocol):
 E = TypeVar("E", bound=Adoptable)
 
 
-class Spare(Generic[E]):
-    def __init__(self, start: Callable[[], E]) -> None:
-        """start: spawn an engine for SPARE, i.e. with no FB (it waits for CTL_ADOPT)."""
+class Spares(Generic[E]):
+    def __init__(self, start: Callable[[EngineSpec], E]) -> None:
+        """start(identity): spawn an engine for SPARE, i.e. with no FB (it waits for
+        CTL_ADOPT), with the identity and limits of the VF `identity` names."""
         self._start = start
-        self._engine: E | None = None
+        self._engines: dict[int, E] = {}
 
-    def take(self, spec: EngineSpec, fb_fd: int, fault: bool) -> E | None:
-        """The spare, now the engine of spec's VF; None when there is none to give (none
-        started, it died, or a test fault wants this start to be a fresh process)."""
-        engine, self._engine = self._engine, None
+    def take(self, key: int, spec: EngineSpec, fb_fd: int, fault: bool) -> E | None:
+        """The spare under `key`, now the engine of spec's VF; None when there is none
+        to give (none started, it died, or a test fault wants a fresh process)."""
+        engine = self._engines.pop(key, None)
         if engine is not None and not fault and engine.alive():
             engine.adopt(spec, fb_fd)
             return engine
@@ -45,13 +51,14 @@ class Spare(Generic[E]):
             engine.kill()
         return None
 
-    def refill(self) -> None:
-        """Start the next spare (the previous one was taken or is being replaced)."""
-        if self._engine is not None:
-            self._engine.kill()
-        self._engine = self._start()
+    def refill(self, key: int, identity: EngineSpec) -> None:
+        """Start the next spare under `key` (the previous one was taken or is replaced)."""
+        old = self._engines.pop(key, None)
+        if old is not None:
+            old.kill()
+        self._engines[key] = self._start(identity)
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.kill()
-            self._engine = None
+        for engine in self._engines.values():
+            engine.kill()
+        self._engines.clear()

@@ -26,7 +26,9 @@ from gpuvirt import config as C
 from gpuvirt.config import HostConfig, load_or_create_token
 from gpuvirt.device import make_device
 from gpuvirt.device.base import EngineSpec, WSCommand
+from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.errors import DeviceError
+from gpuvirt.host.confinement import sandbox_settings, secure_socket
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.mailbox import Session
 from gpuvirt.host.policy import Policy
@@ -57,7 +59,10 @@ class Host:
         self.admin_address = config.host.admin_address()
         self.state_dir = config.host.state_path()
         self.events = EventLog(self.state_dir / "events.jsonl")
-        self.device = make_device(config.device.backend, config.device.kernel_scratch)
+        self.sandbox = Sandbox.create(sandbox_settings(config))
+        self.device = make_device(
+            config.device.backend, self.sandbox, config.device.kernel_scratch
+        )
         # Taken once: on cuda total_fb() is the free memory, which the VFs then use up.
         self.fb_total = config.effective_fb_total(self.device.total_fb(config.sriov.vf_num))
         plans = config.vf_layout(self.fb_total)
@@ -76,7 +81,7 @@ class Host:
         self.liveness = (C.LIVENESS_INTERVAL_S, C.LIVENESS_TIMEOUT_S)
         self.report = StatusReport(
             config, self.vfm, self.sched, self.device, self.resetter.guard,
-            lambda index: index in self._info,
+            lambda index: index in self._info, self.sandbox.report,
         )  # fmt: skip
         self.uuids = {vf.index: uuid.uuid4().bytes for vf in self.vfm.vfs}
         self._info: dict[int, mmap.mmap] = {}
@@ -109,6 +114,11 @@ class Host:
             f"host starting: {self.config.device.backend}, {len(self.vfm)} VFs, "
             f"policy {self.config.scheduler.policy}", None,
         )  # fmt: skip
+        # Said plainly at every start: which confinement is in force and what is not.
+        self.events.emit(
+            Category.HOST, "sandbox", self.sandbox.report.line(), None,
+            **self.sandbox.report.as_dict(),
+        )  # fmt: skip
         await asyncio.gather(*(self.enable(vf) for vf in self.vfm.vfs))
         self._servers.append(self._listen_mailbox())
         self.admin = AdminServer(self)
@@ -128,7 +138,7 @@ class Host:
             path.unlink()  # a stale socket of a host that is gone (start() checked)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(str(path))
-        os.chmod(path, 0o660)
+        secure_socket(path, self.config.host)
         srv.listen(64)
         srv.setblocking(False)
         self.spawn(self._accept(srv))
@@ -443,6 +453,8 @@ def refuse_if_served(path: Path) -> None:
 async def run_host(config: HostConfig, ready: Path | None = None) -> None:
     host = Host(config)
     await host.start()
+    # stderr: stdout carries the one ready line that starters wait for
+    print(f"gpuvirt host: {host.sandbox.report.line()}", file=sys.stderr, flush=True)
     print(f"gpuvirt host: mailbox {host.socket_path}  admin {host.admin.where}", flush=True)
     if ready is not None:
         ready.write_text(str(os.getpid()))

@@ -122,6 +122,20 @@ def _device(report: StatusReport, status: dict[str, Any], st: _State) -> Iterato
         },
     )
     yield info
+    sandbox = status["sandbox"]
+    yield GaugeMetricFamily(
+        "gpuvirt_engine_sandbox_confined",
+        "1 when engines are confined (bwrap and the rest), 0 when they run as the host.",
+        1 if sandbox["confined"] else 0,
+    )
+    prot = GaugeMetricFamily(
+        "gpuvirt_engine_protection",
+        "Each engine protection: 1 in force, 0 missing (why: /status sandbox.missing).",
+        labels=["protection"],
+    )
+    for name in sorted({*sandbox["active"], *sandbox["missing"]}):
+        prot.add_metric([name], 1 if name in sandbox["active"] else 0)
+    yield prot
     yield GaugeMetricFamily(
         "gpuvirt_host_uptime_seconds", "Seconds since the host started.", status["uptime_s"]
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 from gpuvirt.config import HostConfig
 from gpuvirt.device.base import Device
+from gpuvirt.device.sandbox.policy import Report
 from gpuvirt.host.policy import Policy
 from gpuvirt.host.reset import Guard
 from gpuvirt.host.sched import Scheduler
@@ -34,9 +35,10 @@ class StatusReport:
         device: Device,
         guard: Guard,
         has_fb: Callable[[int], bool],
+        sandbox: Report,
     ) -> None:
         self.config, self.vfm, self.sched, self.device = config, vfm, sched, device
-        self.guard, self.has_fb = guard, has_fb
+        self.guard, self.has_fb, self.sandbox = guard, has_fb, sandbox
         self.admin_where = ""  # set once the admin endpoint listens
         self.started = time.time()
         self.samples: deque[dict[str, Any]] = deque(maxlen=SHARE_WINDOW + 1)
@@ -104,6 +106,7 @@ class StatusReport:
             "pending": s.get("pending", 0),
             "guest_pid": vf.guest_pid,
             "engine_pid": vf.engine.pid if vf.engine else None,
+            "sandbox": "confined" if self.sandbox.confined else "UNCONFINED",
             "launches_completed": vf.vf2pf.get("launches_completed", 0),
             "netgpu_rx_bytes": vf.vf2pf.get("netgpu_rx_bytes", 0),
             "driver_version": vf.vf2pf.get("driver_version"),
@@ -134,6 +137,7 @@ class StatusReport:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 3),
             "host_rss_bytes": rss_bytes(os.getpid()),
+            "sandbox": self.sandbox.as_dict(),
             "sched": {
                 "current": snap["current"],
                 "switches": snap["switches"],

@@ -26,6 +26,13 @@ DEFAULT_FULLACCESS_TIMEOUT_MS = 1500
 DEFAULT_READY_TO_RESET_WAIT_MS = 10
 DEFAULT_GUARD_FLR = "3/60s"
 DEFAULT_VF_WEIGHT = 1.0
+DEFAULT_SANDBOX = "required"
+DEFAULT_UID_BASE = 200000  # engine uid/gid = uid_base + VF index (host running as root)
+DEFAULT_MEMORY_ALLOWANCE = 1 * GiB  # engine memory limit = its VF's FB + this, unless set
+DEFAULT_ENGINE_TASKS = 64  # threads an engine may run (it may create no processes)
+DEFAULT_ENGINE_NOFILE = 256
+DEFAULT_ENGINE_SCRATCH = 64 * MiB
+DEFAULT_SOCKET_MODE = 0o660
 
 FB_RESERVED = 128 * KiB  # head of every FB: PF2VF at 64 KiB, VF2PF at 65 KiB
 MIN_VF_FB = 1 * MiB

@@ -1,0 +1,82 @@
+"""The engine's seccomp filter: what a GPU context never needs, compiled by libseccomp.
+
+Default allow, deny a list: an interpreter, numpy and CuPy use a wide and
+changing set of syscalls, while the ones an escape needs are few and fixed.
+Process creation is denied (threads are not): with no child processes,
+stopping the engine's pid stops everything the tenant runs, so the world
+switch stays a SIGSTOP instead of a freezer round trip (DESIGN.md, "Tenant
+confinement"). bwrap loads the program (`--seccomp FD`) just before it execs
+the engine, so no code of the tenant ever runs without it.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from typing import Any
+
+CLONE_THREAD = 0x00010000
+# Answered with EPERM: introspection of and escape into other processes, kernel
+# objects a GPU context has no business with, and privileged operations (the
+# engine has no capabilities; this keeps a kernel bug in them out of reach too).
+DENIED = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "kcmp",
+    "pidfd_getfd", "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree",
+    "fsopen", "fsmount", "fsconfig", "fspick", "mount_setattr", "unshare", "setns",
+    "bpf", "perf_event_open", "kexec_load", "kexec_file_load", "keyctl", "add_key",
+    "request_key", "init_module", "finit_module", "delete_module", "reboot", "swapon",
+    "swapoff", "acct", "quotactl", "userfaultfd", "personality", "syslog",
+    "open_by_handle_at", "name_to_handle_at", "lookup_dcookie", "iopl", "ioperm",
+    "fanotify_init", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "sethostname", "setdomainname", "vhangup", "mbind", "migrate_pages", "move_pages",
+    "fork", "vfork",
+)  # fmt: skip
+# Families a GPU has no use for: no network, no netlink, no raw packets. Unix
+# sockets stay (the engine's own channels are Unix sockets).
+DENIED_FAMILIES = (2, 10, 16, 17)  # AF_INET, AF_INET6, AF_NETLINK, AF_PACKET
+
+
+def build() -> Any:
+    # Imported here: engines import this package (through the device modules) inside
+    # the sandbox, where libseccomp cannot be looked up (that forks ldconfig).
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(sc.ALLOW)
+    for name in DENIED:
+        f.add_rule(sc.ERRNO(errno.EPERM), name)
+    # A new process (no CLONE_THREAD) is refused; a thread is not. clone3 passes its
+    # flags in memory a filter cannot read, so it answers ENOSYS and glibc falls back
+    # to clone, whose flags it can.
+    f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for family in DENIED_FAMILIES:
+        f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
+    return f
+
+
+@functools.cache
+def program() -> bytes:
+    """The compiled BPF program (built once per host)."""
+    fd = os.memfd_create("gpuvirt-seccomp", os.MFD_CLOEXEC)
+    with os.fdopen(fd, "w+b") as out:
+        build().export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def program_fd() -> int:
+    """A fresh memfd with the program at offset 0: bwrap reads one to its end."""
+    fd = os.memfd_create("gpuvirt-seccomp", os.MFD_CLOEXEC)
+    os.write(fd, program())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def available() -> str | None:
+    """None when libseccomp compiles the filter here, else why not."""
+    try:
+        program()
+    except (ImportError, OSError, RuntimeError, ValueError, AttributeError) as e:
+        return f"libseccomp: {e}"
+    return None
