@@ -1,8 +1,14 @@
-"""What every benchmark suite shares: the Result, percentiles, a scratch host."""
+"""What every benchmark suite shares: the Result, percentiles, spreads, the machine,
+a scratch host."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
+import shutil
+import statistics
+import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +51,7 @@ class Result:
             "bench": self.bench,
             "backend": self.backend,
             "targets_met": self.targets_met,
+            "machine": machine(self.backend),
             **self.figures,
             "targets": {
                 t.name: {"value": t.value, "target": f"{t.op} {t.limit:g}", "met": t.met}
@@ -59,6 +66,54 @@ def percentile(values: Sequence[float], q: float) -> float:
         return float("nan")
     s = sorted(values)
     return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
+MIN_ROUNDS = 3
+
+
+def spread(values: Sequence[float], ndigits: int = 4) -> list[float]:
+    """[min, median, max] of one figure over the rounds; the median is the headline."""
+    if not values:
+        return [float("nan")] * 3
+    return [round(v, ndigits) for v in (min(values), statistics.median(values), max(values))]
+
+
+def _virt() -> str:
+    """What the machine runs on (a hypervisor, a container), as systemd names it."""
+    tool = shutil.which("systemd-detect-virt")
+    if tool is not None:
+        try:
+            out = subprocess.run([tool], capture_output=True, text=True, timeout=5).stdout
+            return out.strip() or "none"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    with contextlib.suppress(OSError):
+        if " hypervisor" in Path("/proc/cpuinfo").read_text():
+            return "vm (unknown hypervisor)"
+    return "unknown"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def machine(backend: str) -> dict[str, Any]:
+    """What a figure was measured on: ratios travel between machines, this says from where."""
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "kernel": platform.release(),
+        "virt": _virt(),
+        "python": platform.python_version(),
+        "backend": backend,
+        # tenant confinement (bubblewrap, seccomp, Landlock) has not landed on this branch
+        "sandbox": False,
+    }
 
 
 def host_config(workdir: Path, **sections: dict[str, Any]) -> HostConfig:
