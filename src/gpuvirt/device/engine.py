@@ -380,17 +380,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     status = StatusArea(a.status_fd)
     ctl = socket.socket(fileno=a.ctl_fd)
-    if a.fb_fd < 0 and not _adopt(ctl, a):
-        return
-    executor: Executor
+    # Imported before a spare waits to adopt a VF: numpy's import is most of an engine's
+    # start, and it belongs ahead of need, not inside the FLR that hands the spare its VF.
+    make: Any
     if a.backend == "emu":
-        from gpuvirt.device.emu import EmuExecutor
-
-        executor = EmuExecutor(a.fb_fd, a.fb_size)
+        from gpuvirt.device.emu import EmuExecutor as make
     else:
         from gpuvirt.device.cuda import CudaExecutor
 
-        executor = CudaExecutor(a.fb_fd, a.fb_size, a.vf)
+        def make(fd: int, size: int) -> Executor:
+            return CudaExecutor(fd, size, a.vf)
+
+    if a.fb_fd < 0 and not _adopt(ctl, a):
+        return
+    executor: Executor = make(a.fb_fd, a.fb_size)
     status[Word.PID] = os.getpid()
     status[Word.MAGIC] = MAGIC
     status[Word.READY] = 1
