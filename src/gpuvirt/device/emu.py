@@ -15,6 +15,8 @@ import ctypes.util
 import mmap
 import os
 import signal
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -84,6 +86,7 @@ class EmuEngine(ProcessEngine):
         super().__init__(spec, fb_fd, "emu", [], fault)
         self._watchdog = watchdog
         self._cpus = cpus
+        self.after_init: Callable[[], None] | None = None
         watchdog.add(self)
         # Starting (an interpreter, numpy) happens off the device's CPU where there is
         # another: there it would delay the stop of whichever VF is running.
@@ -97,9 +100,9 @@ class EmuEngine(ProcessEngine):
 
     def adopt(self, spec: EngineSpec, fb_fd: int) -> None:
         """Give a spare its VF; INIT_GPU then completes as for any fresh engine."""
+        # It stays at its start's low priority until INIT_GPU is done (the host restores it
+        # then): what is left of its start must not take the CPU from the neighbours' guests.
         self.spec = spec
-        with contextlib.suppress(OSError):  # its start was background work; this is not
-            os.setpriority(os.PRIO_PROCESS, self.pid, 0)
         send_fd(self._ctl, CTL_ADOPT + ADOPT.pack(spec.vf, spec.fb_size), fb_fd)
 
     def _wait_stopped(self, timeout: float) -> None:
@@ -130,6 +133,9 @@ class EmuEngine(ProcessEngine):
         self._wait_stopped(timeout)
         # Started anywhere (engines start in parallel), run on the device's CPU.
         os.sched_setaffinity(self.pid, self._cpus)
+        if self.after_init is not None:
+            self.after_init()
+            self.after_init = None
 
     def _do_idle(self, timeout: float) -> None:
         # A stop lands only once the engine runs again to take it, and on a CPU shared with
@@ -180,6 +186,8 @@ class EmuDevice(Device):
         self._faults = _Faults(os.environ.get(FAULT_ENV, ""))
         self._watchdog = Watchdog(watchdog_tick)
         self._spare: EmuEngine | None = None
+        self._spare_lock = threading.Lock()  # INITs (which start spares) run in worker threads
+        self._closed = False
 
     def total_fb(self) -> int | None:
         return None
@@ -205,7 +213,8 @@ class EmuDevice(Device):
         waits for no interpreter start), and a new spare behind it."""
         fb_fd = self._fbs[spec.vf][0]
         fault = self._faults.should_fail(spec.vf)
-        spare, self._spare = self._spare, None
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
         if spare is not None and not fault and spare.alive():
             spare.adopt(spec, fb_fd)
             engine = spare
@@ -213,8 +222,18 @@ class EmuDevice(Device):
             if spare is not None:
                 spare.kill()
             engine = EmuEngine(spec, fb_fd, fault, self._watchdog, self.exec_cpus)
-        self._spare = EmuEngine(SPARE, None, False, self._watchdog, self.exec_cpus)
+        # The next spare starts once this engine is up, not beside it: during an FLR the
+        # CPU goes to finishing this start and to the neighbours, not to a second start.
+        engine.after_init = self._start_spare
         return engine
+
+    def _start_spare(self) -> None:
+        with self._spare_lock:
+            if self._closed or (self._spare is not None and self._spare.alive()):
+                return
+            if self._spare is not None:
+                self._spare.kill()
+            self._spare = EmuEngine(SPARE, None, False, self._watchdog, self.exec_cpus)
 
     def guest_fds(self, vf: int) -> list[int]:
         return [self._fbs[vf][0]]
@@ -227,8 +246,10 @@ class EmuDevice(Device):
         os.close(fd)
 
     def close(self) -> None:
-        if self._spare is not None:
-            self._spare.kill()
+        with self._spare_lock:
+            self._closed = True
+            if self._spare is not None:
+                self._spare.kill()
         self._watchdog.stop()
         for vf in list(self._fbs):
             self.destroy_fb(vf)
