@@ -87,10 +87,15 @@ def _virt() -> str:
             return out.strip() or "none"
         except (OSError, subprocess.SubprocessError):
             pass
+    return "vm (unknown hypervisor)" if _hypervisor() else "unknown"
+
+
+def _hypervisor() -> bool:
     with contextlib.suppress(OSError):
-        if " hypervisor" in Path("/proc/cpuinfo").read_text():
-            return "vm (unknown hypervisor)"
-    return "unknown"
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return "hypervisor" in line.split()
+    return False
 
 
 def _cpu_model() -> str:
@@ -109,6 +114,8 @@ def machine(backend: str) -> dict[str, Any]:
         "cores_usable": len(os.sched_getaffinity(0)),
         "kernel": platform.release(),
         "virt": _virt(),
+        # a container reports itself; the CPU flag says whether a hypervisor is under it
+        "hypervisor": _hypervisor(),
         "python": platform.python_version(),
         "backend": backend,
         # tenant confinement (bubblewrap, seccomp, Landlock) has not landed on this branch
