@@ -201,8 +201,10 @@ class _Paths:
         self.gpu = gpu
         self.pool = gpu.netgpu.pool(nbytes=POOL, chunk=CHUNK)
         # per stream, as any receiver keeps its streams apart (and as the pool does)
-        self.bufs = [memoryview(bytearray(CHUNK)) for _ in STREAMS]  # raw: host memory
-        self.dsts = [gpu.alloc(CHUNK, np.uint8).view() for _ in STREAMS]  # copy: into the FB
+        self.bufs = [memoryview(bytearray(CHUNK)) for _ in range(max(STREAMS))]  # raw: host memory
+        self.dsts = [
+            gpu.alloc(CHUNK, np.uint8).view() for _ in range(max(STREAMS))
+        ]  # copy: into the FB
         for d in self.dsts:
             d.fill(0)
 
