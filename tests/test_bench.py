@@ -152,3 +152,26 @@ def test_flr_bench_reports_every_neighbour_and_the_schedulers_view() -> None:
     assert_spread(r["spread"], r)
     assert r["neighbour_share_ratio"] == r["spread"]["neighbour_share_ratio"][1]
     assert set(r["machine"]) >= MACHINE_KEYS
+
+
+@pytest.mark.timeout(180)
+def test_netgpu_trials_take_every_stream_count_on_every_path(make_host: MakeHost) -> None:
+    import multiprocessing as mp
+
+    import gpuvirt
+
+    hp = make_host(sriov={"vf_num": 1})
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    sender = ctx.Process(target=netgpu._sender_main, args=(child,), daemon=True)
+    sender.start()
+    try:
+        with gpuvirt.attach(0, socket=hp.socket, token=hp.token(0)) as gpu:
+            paths = netgpu._Paths(gpu)
+            for mode in netgpu.MODES:
+                for path in netgpu.PATHS:
+                    t = netgpu._trial(paths, parent, mode, path, max(netgpu.STREAMS), 8 << 20, 0)
+                    assert t["gbytes_per_s"] > 0 and t["cpu_s_per_gb"] >= 0
+    finally:
+        parent.send(None)
+        sender.join(10)
