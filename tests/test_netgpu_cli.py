@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -76,7 +78,7 @@ def test_send_synthetic_raw_and_verify(host: HostProcess) -> None:
     # the documented synthetic data: 1 MiB blocks of numpy's default_rng([seed, k]), cut to size
     blocks = [np.random.default_rng([seed, k]).bytes(1 << 20) for k in range(3)]
     data = b"".join(blocks)[:size]
-    recv, to = start_recv(host, "--raw", "--verify")
+    recv, to = start_recv(host, "--raw", "--verify", "--streams", "1")
     sent = send(to, "--synthetic", str(size), "--seed", str(seed))
     out, err = recv.communicate(timeout=WAIT_S)
     assert sent.returncode == 0 and recv.returncode == 0, sent.stderr + err
@@ -84,9 +86,36 @@ def test_send_synthetic_raw_and_verify(host: HostProcess) -> None:
 
 
 def test_a_stream_that_is_not_framed_fails_with_the_reason(host: HostProcess) -> None:
-    recv, to = start_recv(host, "--framed")
+    recv, to = start_recv(host, "--framed", "--streams", "1")
     sent = send(to, "--synthetic", "64KiB")
     _, err = recv.communicate(timeout=WAIT_S)
     assert recv.returncode == 1
     assert "NGPU magic" in err and "not a framed-mode stream" in err
     assert sent.returncode == 1 and "stream 0 failed" in sent.stderr
+
+
+def test_recv_serves_streams_one_after_another_and_a_port_probe_does_not_end_it(
+    host: HostProcess,
+) -> None:
+    recv, to = start_recv(host, "--raw", "--verify", "--streams", "2")
+    h, port = to.rsplit(":", 1)
+    socket.create_connection((h, int(port))).close()  # a port probe: connects, sends nothing
+    first = send(to, "--synthetic", "300KiB", "--seed", "1")
+    second = send(to, "--synthetic", "200KiB", "--seed", "2")
+    out, err = recv.communicate(timeout=WAIT_S)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert recv.returncode == 0, err
+    assert "empty connection from" in err
+    got = stream_hashes(out)
+    assert sorted(n for n, _ in got.values()) == [200 * 1024, 300 * 1024]
+    assert re.search(r"on 2 stream\(s\)", out)
+
+
+def test_recv_without_a_stream_count_serves_until_stopped(host: HostProcess) -> None:
+    recv, to = start_recv(host, "--raw")
+    for seed in (1, 2, 3):
+        assert send(to, "--synthetic", "64KiB", "--seed", str(seed)).returncode == 0
+    recv.send_signal(signal.SIGTERM)
+    out, err = recv.communicate(timeout=WAIT_S)
+    assert recv.returncode == 0, err
+    assert re.search(r"received [\d.]+ \w+ in [\d.]+ s: [\d.]+ GB/s on 3 stream\(s\)", out)

@@ -1,9 +1,14 @@
-"""What every benchmark suite shares: the Result, percentiles, a scratch host."""
+"""What every benchmark suite shares: the Result, percentiles, spreads, the machine,
+a scratch host."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import platform
+import shutil
+import statistics
+import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +51,7 @@ class Result:
             "bench": self.bench,
             "backend": self.backend,
             "targets_met": self.targets_met,
+            "machine": machine(self.backend),
             **self.figures,
             "targets": {
                 t.name: {"value": t.value, "target": f"{t.op} {t.limit:g}", "met": t.met}
@@ -65,6 +71,61 @@ def percentile(values: Sequence[float], q: float) -> float:
 # `gpuvirt bench --sandbox MODE`: the engine.sandbox of every host a suite starts,
 # so confinement's cost is measured by running the same suite both ways.
 SANDBOX_ENV = "GPUVIRT_BENCH_SANDBOX"
+
+MIN_ROUNDS = 3
+
+
+def spread(values: Sequence[float], ndigits: int = 4) -> list[float]:
+    """[min, median, max] of one figure over the rounds; the median is the headline."""
+    if not values:
+        return [float("nan")] * 3
+    return [round(v, ndigits) for v in (min(values), statistics.median(values), max(values))]
+
+
+def _virt() -> str:
+    """What the machine runs on (a hypervisor, a container), as systemd names it."""
+    tool = shutil.which("systemd-detect-virt")
+    if tool is not None:
+        try:
+            out = subprocess.run([tool], capture_output=True, text=True, timeout=5).stdout
+            return out.strip() or "none"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return "vm (unknown hypervisor)" if _hypervisor() else "unknown"
+
+
+def _hypervisor() -> bool:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return "hypervisor" in line.split()
+    return False
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def machine(backend: str) -> dict[str, Any]:
+    """What a figure was measured on: ratios travel between machines, this says from where."""
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "kernel": platform.release(),
+        "virt": _virt(),
+        # a container reports itself; the CPU flag says whether a hypervisor is under it
+        "hypervisor": _hypervisor(),
+        "python": platform.python_version(),
+        "backend": backend,
+        # engine.sandbox of the hosts a suite starts (`bench --sandbox`; the default
+        # is the host's: required)
+        "sandbox": os.environ.get(SANDBOX_ENV) or "required",
+    }
 
 
 def host_config(workdir: Path, **sections: dict[str, Any]) -> HostConfig:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import gpuvirt
-from gpuvirt.bench.common import Result, percentile
+from gpuvirt.bench.common import Result, machine, percentile
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -61,6 +61,8 @@ def _head(results: Sequence[Result]) -> list[str]:
         f"{platform.node()}: {os.cpu_count()} CPUs, {platform.machine()}, "
         f"Linux {platform.release()}, Python {platform.python_version()}",
         "",
+        "machine: " + ", ".join(f"{k} {v}" for k, v in machine(backends).items()),
+        "",
         "Each suite measures gpuvirt against a baseline run side by side in the same run; "
         "compare the ratios, not the absolute figures, across machines.",
         "",
@@ -86,6 +88,15 @@ def _section(r: Result, plotter: _Plotter) -> list[str]:
         for t in r.targets:
             met = "yes" if t.met else "**no**"
             lines.append(f"| {t.name} | {_fmt(t.value)} | {t.op} {t.limit:g} | {met} |")
+        lines.append("")
+    spreads = r.figures.get("spread")
+    if isinstance(spreads, dict) and spreads:
+        rounds = r.figures.get("rounds", "?")
+        lines += [f"Over {rounds} rounds (the headline is the median):", "",
+                  "| figure | min | median | max |", "|---|---:|---:|---:|"]  # fmt: skip
+        for name, v in spreads.items():
+            if isinstance(v, list) and len(v) == 3:
+                lines.append(f"| {_md(name)} | {_fmt(v[0])} | {_fmt(v[1])} | {_fmt(v[2])} |")
         lines.append("")
     for note in r.notes:
         lines.append(f"> {_md(note)}")

@@ -1,65 +1,140 @@
-"""bench scale: 31 VFs on one device — switching overhead and memory.
+"""bench scale: 31 VFs on one device — switching overhead, work done and memory.
 
 One host with GIM's maximum of 31 VFs, every VF kept busy by its own guest
-process. Figures: device time lost to switching (target ≤ 5 %), the work all
-31 get done against one VF alone on the same host in the same run, the host
-daemon's RSS (target ≤ 150 MiB), an idle engine's RSS (target ≤ 60 MiB), and
-the host memory an FB costs before and after it is touched and scrubbed.
+process, in alternating rounds against one VF alone on the same host.
+
+- work_ratio_all_vs_alone: the work all 31 VFs' kernels did per second (their
+  own progress logs, inside the window) against one VF alone. The device is
+  one CPU, so it cannot exceed 1; judged ≤ 1. (The 1.11 once reported came
+  from counting each worker's whole life, its start and stop included, over
+  the window's span alone.)
+- overhead_pct: device time lost to switching, 100 × (1 − that ratio); the
+  scheduler's own count of time inside switches beside it.
+- memory: the host daemon's RSS (≤ 150 MiB), an idle engine's RSS (≤ 60 MiB)
+  and PSS (from /proc/PID/smaps_rollup: its shared library pages divided
+  among the engines), and one FB's host memory (memfd blocks) untouched,
+  after its guest wrote TOUCH bytes, and after the detach scrubbed it.
 """
 
 from __future__ import annotations
 
-from gpuvirt.bench.common import Result, Target, scratch_host
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread
 from gpuvirt.bench.sched import busy_window
+from gpuvirt.host.process import HostProcess
 from gpuvirt.host.status import rss_bytes
 
 VFS = 31
 MiB = 1 << 20
+TOUCH = 32 * MiB
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size: shared pages count once across the processes sharing them."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def fb_memory(hp: HostProcess, vf: int) -> dict[str, int]:
+    """Host memory behind one FB: untouched, written by its guest, scrubbed after detach."""
+    import gpuvirt
+
+    def resident() -> int:
+        return int(hp.status()["vfs"][vf]["fb_resident"])
+
+    out = {"untouched": resident()}
+    with gpuvirt.attach(vf=vf, socket=hp.socket, token=hp.token(vf)) as gpu:
+        buf = gpu.alloc((TOUCH,), np.uint8)
+        buf.write(np.ones(TOUCH, np.uint8))
+        out["touched"] = resident()
+    # The detach scrubs before the host answers the fini; allow the status a moment.
+    deadline = time.monotonic() + 5
+    while (after := resident()) > out["untouched"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["after_scrub"] = after
+    return out
 
 
 def run(quick: bool = False, backend: str = "emu") -> Result:
-    seconds = 2.0 if quick else 5.0
+    seconds = 1.0 if quick else 5.0
+    rounds = MIN_ROUNDS
     dev = {"backend": backend, "fb_total": "8GiB", "pf_fb": "256MiB"}
     sched = {"policy": "liquid", "time_slice_ms": 6}
+    ratios: list[float] = []
+    lost_sched: list[float] = []
+    switches = 0
     with scratch_host(device=dev, sriov={"vf_num": VFS}, scheduler=sched) as hp:
         st = hp.status()
-        idle_engine = max(rss_bytes(v["engine_pid"]) for v in st["vfs"])
+        engines = [v["engine_pid"] for v in st["vfs"]]
+        idle_engine = max(rss_bytes(p) for p in engines)
+        idle_engine_pss = max(pss_bytes(p) for p in engines)
         host_idle = st["host_rss_bytes"]
-        fb_untouched = max(v["fb_resident"] for v in st["vfs"])
-        alone = busy_window(hp, [0], seconds)
-        every = busy_window(hp, list(range(VFS)), seconds)
+        fb = fb_memory(hp, VFS - 1)
+        for r in range(rounds):
+            got: dict[str, dict[str, Any]] = {}
+            for which in ("alone", "all") if r % 2 == 0 else ("all", "alone"):
+                got[which] = busy_window(hp, [0] if which == "alone" else list(range(VFS)), seconds)
+            alone, every = got["alone"], got["all"]
+            rate_alone = sum(alone["work"].values()) / alone["span_ns"]
+            rate_all = sum(every["work"].values()) / every["span_ns"]
+            ratios.append(rate_all / rate_alone if rate_alone else 0.0)
+            lost_sched.append(100 * every["lost_ns"] / every["span_ns"])
+            switches += every["switches"]
         host_busy = hp.status()["host_rss_bytes"]
-    lost_pct = 100 * every["lost_ns"] / every["span_ns"]
-    rate_alone = sum(r.work for r in alone["reports"] if r) / alone["span_ns"]
-    rate_all = sum(r.work for r in every["reports"] if r) / every["span_ns"]
-    work_ratio = rate_all / rate_alone if rate_alone else 0.0
+    lost = [100 * (1 - x) for x in ratios]
+    spreads = {
+        "work_ratio_all_vs_alone": spread(ratios, 4),
+        "overhead_pct": spread(lost, 3),
+        "overhead_pct_sched": spread(lost_sched, 3),
+    }
+    med = {k: v[1] for k, v in spreads.items()}
     host_rss = max(host_idle, host_busy)
     return Result(
         bench="scale",
         backend=backend,
         figures={
             "vfs": VFS,
-            "overhead_pct": round(lost_pct, 3),
-            "work_ratio_all_vs_alone": round(work_ratio, 4),
-            "switches": every["switches"],
+            **med,
+            "rounds": rounds,
+            "spread": spreads,
+            "switches": switches,
             "host_rss_mib": round(host_rss / MiB, 1),
             "idle_engine_rss_mib": round(idle_engine / MiB, 1),
-            "fb_resident_untouched_bytes": fb_untouched,
+            "idle_engine_pss_mib": round(idle_engine_pss / MiB, 1),
+            "fb_touch_bytes": TOUCH,
+            "fb_resident_untouched_bytes": fb["untouched"],
+            "fb_resident_touched_bytes": fb["touched"],
+            "fb_resident_after_scrub_bytes": fb["after_scrub"],
         },
         targets=[
-            Target("overhead_pct", round(lost_pct, 3), 5.0, "<="),
+            Target("overhead_pct", med["overhead_pct"], 5.0, "<="),
+            Target("work_ratio_all_vs_alone", med["work_ratio_all_vs_alone"], 1.0, "<="),
             Target("host_rss_mib", round(host_rss / MiB, 1), 150, "<="),
             Target("idle_engine_rss_mib", round(idle_engine / MiB, 1), 60, "<="),
         ],
         rows=[
-            (f"device time lost to switching ({VFS} busy VFs, 6 ms)", lost_pct, "%"),
-            (f"work of {VFS} VFs / 1 VF alone", work_ratio, "×"),
+            (f"device time lost ({VFS} busy VFs, 6 ms): engines' work", med["overhead_pct"], "%"),
+            ("  the same by the scheduler's accounting", med["overhead_pct_sched"], "%"),
+            (f"work of {VFS} VFs / 1 VF alone", med["work_ratio_all_vs_alone"], "×"),
             ("host daemon RSS", host_rss / MiB, "MiB"),
             ("idle engine RSS (largest)", idle_engine / MiB, "MiB"),
-            ("host memory held by an untouched FB", fb_untouched / 1024, "KiB"),
+            ("idle engine PSS (largest)", idle_engine_pss / MiB, "MiB"),
+            ("FB host memory: untouched", fb["untouched"] / 1024, "KiB"),
+            (f"FB host memory: after writing {TOUCH // MiB} MiB", fb["touched"] / MiB, "MiB"),
+            ("FB host memory: after detach and scrub", fb["after_scrub"] / 1024, "KiB"),
         ],
         notes=[
-            "RSS counts shared pages (the interpreter, numpy) in every engine; the "
-            "engines' memory is mostly the same library pages",
+            f"{rounds} rounds alternating one VF alone and all {VFS}; headline = median",
+            "RSS counts shared pages (the interpreter, numpy) in every engine; PSS divides "
+            "them among the engines sharing them",
         ],
     )

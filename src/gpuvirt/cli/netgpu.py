@@ -4,16 +4,27 @@
     gpuvirt netgpu send big.bin --to host:9000 --streams 2 --framed
 
 `recv` attaches to the VF as its guest (socket and token from the host's
-configuration), receives into a pool in the VF's FB and prints the rate;
-with --verify, each stream's sha256 computed from the device memory the
-bytes landed in. `send` splits a file (or seeded synthetic bytes) into one
+configuration) and serves: it listens until stopped (Ctrl-C, SIGTERM) or
+until --streams N streams have ended, takes connections one after another
+or several at once (--at-once), receives each into a pool in the VF's FB and
+reports each stream as it ends (bytes, rate, with --verify its sha256
+computed from the device memory the bytes landed in). A connection that
+closes without a byte (a port probe, a health check) is reported and not
+counted. `send` splits a file (or seeded synthetic bytes) into one
 contiguous part per stream, stream i carrying part i.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import select
+import signal
+import socket
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -134,7 +145,12 @@ def send(
 def recv(
     vf: Annotated[int, typer.Option(help="The VF to receive into.", min=0, max=30)],
     listen: Annotated[str, typer.Option(help="HOST:PORT to listen on (port 0: any free one).")],
-    streams: Streams = 1,
+    streams: Annotated[
+        int, typer.Option(min=0, help="End after this many streams (0: serve until stopped).")
+    ] = 0,
+    at_once: Annotated[
+        int, typer.Option(min=1, max=64, help="Streams received at the same time, at most.")
+    ] = 8,
     raw: Annotated[bool, typer.Option(help="Every byte is payload (default: detect).")] = False,
     framed: Annotated[bool, typer.Option(help="Expect NGPU framing (default: detect).")] = False,
     crc: Annotated[bool, typer.Option(help="Require and check a crc32 on every message.")] = False,
@@ -143,10 +159,12 @@ def recv(
     ] = False,
     pool: Annotated[str, typer.Option(help="Pool size in the VF's FB.")] = "64MiB",
     chunk: Annotated[str, typer.Option(help="Pool chunk size.")] = "1MiB",
-    timeout: Annotated[float, typer.Option(help="Give up after this many idle seconds.")] = 60.0,
+    timeout: Annotated[
+        float, typer.Option(help="A stream that sends nothing this many seconds fails.")
+    ] = 60.0,
     config: ConfigOpt = None,
 ) -> None:
-    """Receive streams into a VF's FB; print the rate (and each sha256 with --verify)."""
+    """Serve streams into a VF's FB; report each as it ends (and its sha256 with --verify)."""
     import gpuvirt
 
     if raw and framed:
@@ -166,46 +184,176 @@ def recv(
         net = gpu.netgpu
         err_console.print(f"[dim]{net.selection().describe()}[/]")
         p = net.pool(nbytes=_size(pool, "--pool"), chunk=_size(chunk, "--chunk"))
-        rx = p.listen(
-            addr, streams=streams, framed=mode, crc=True if crc else None, timeout=timeout
-        )
-        assert rx.address is not None
-        kind = {None: "raw or framed (detected)", False: "raw", True: "framed"}[mode]
-        _say(f"listening on {rx.address[0]}:{rx.address[1]} for {streams} {kind} stream(s)")
-        _receive(rx, p, verify)
+        if at_once > p.nchunks:
+            raise fail(f"--at-once {at_once}: a pool of {p.nchunks} chunks serves at most that", 2)
+        try:
+            listener = socket.create_server(addr, backlog=max(8, at_once))
+        except OSError as e:
+            raise fail(f"cannot listen on {addr[0]}:{addr[1]}: {e.strerror}") from None
+        with listener:
+            host, port = listener.getsockname()[:2]
+            kind = {None: "raw or framed (detected)", False: "raw", True: "framed"}[mode]
+            want = f"{streams} {kind} stream(s)" if streams else f"{kind} streams until stopped"
+            _say(f"listening on {host}:{port} for {want}")
+            server = _Server(p, listener, mode, crc, verify, streams, at_once, timeout)
+            failed = server.serve()
     except GpuvirtError as e:
-        raise fail(str(e)) from None
-    except TimeoutError as e:
         raise fail(str(e)) from None
     finally:
         gpu.close()
-
-
-def _receive(rx: Rx, pool: Pool, verify: bool) -> None:
-    from gpuvirt.netgpu import RxError
-
-    got: dict[int, int] = {}
-    hashes: dict[int, Any] = {}
-    t0: float | None = None
-    errors: list[str] = []
-    try:
-        for frag in rx:
-            if t0 is None:
-                t0 = time.perf_counter() - 1e-9
-            if verify:  # read where the bytes landed: the VF's FB
-                hashes.setdefault(frag.stream, hashlib.sha256()).update(frag.array())
-            got[frag.stream] = got.get(frag.stream, 0) + frag.size
-            pool.release([frag.token])
-    except RxError as e:
-        errors = [str(s) for s in e.errors]
-    seconds = time.perf_counter() - t0 if t0 is not None else 0.0
-    for stream in sorted(got):
-        line = f"stream {stream}: {got[stream]} B"
-        if verify:
-            line += f" sha256 {hashes[stream].hexdigest()}"
-        _say(line)
-    for why in errors:
-        err_console.print(f"[red]failed:[/] {why}", soft_wrap=True)
-    _say(f"received {_rate(sum(got.values()), seconds)} on {len(got)} stream(s)")
-    if errors:
+    if failed:
         raise typer.Exit(1)
+
+
+@dataclass
+class _Tally:
+    streams: int = 0
+    bytes: int = 0
+    failed: int = 0
+    first: float | None = None
+    last: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Server:
+    """Accepts connections and receives each in its own thread, at most `at_once` at a time."""
+
+    def __init__(self, pool: Pool, listener: socket.socket, mode: bool | None, crc: bool,
+                 verify: bool, limit: int, at_once: int, timeout: float) -> None:  # fmt: skip
+        self.pool, self.listener, self.mode, self.crc = pool, listener, mode, crc
+        self.verify, self.limit, self.at_once, self.timeout = verify, limit, at_once, timeout
+        self.slots = threading.BoundedSemaphore(at_once)
+        self.tally = _Tally()
+        self.live: set[Rx] = set()
+        self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.stopping = False
+
+    def serve(self) -> int:
+        """Until stopped or `limit` streams ended; the number of streams that failed."""
+        old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        threads: list[threading.Thread] = []
+        accepted = 0
+        try:
+            while not self._done():
+                if not self.slots.acquire(blocking=False):
+                    self._wait(None)  # a stream's end frees a slot and writes the wake pipe
+                    continue
+                conn = self._accept()
+                if conn is None:
+                    self.slots.release()
+                    continue
+                t = threading.Thread(target=self._one, args=(conn, accepted), daemon=True)
+                accepted += 1
+                t.start()
+                threads.append(t)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            for rx in list(self.live):
+                rx.close()
+            for t in threads:
+                t.join()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+        tl = self.tally
+        seconds = tl.last - tl.first if tl.first is not None else 0.0
+        _say(f"received {_rate(tl.bytes, seconds)} on {tl.streams} stream(s)")
+        return tl.failed
+
+    def _done(self) -> bool:
+        return self.stopping or (self.limit > 0 and self.tally.streams >= self.limit)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stopping = True
+        self._poke()
+
+    def _poke(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self.wake_w, b"x")
+
+    def _wait(self, listener: socket.socket | None) -> bool:
+        """Until the listener is readable (True) or something woke us (False)."""
+        fds = [self.wake_r] + ([listener.fileno()] if listener is not None else [])
+        with contextlib.suppress(InterruptedError):
+            ready, _, _ = select.select(fds, [], [])
+            if self.wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self.wake_r, 4096)
+                return False
+            return True
+        return False
+
+    def _accept(self) -> socket.socket | None:
+        if not self._wait(self.listener):
+            return None
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return None
+        return conn
+
+    def _one(self, conn: socket.socket, k: int) -> None:
+        from gpuvirt.netgpu import RxError
+
+        peer = _peer_name(conn)
+        got: dict[int, int] = {}
+        hashes: dict[int, Any] = {}
+        errors: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            rx = self.pool.receive(conn, framed=self.mode, crc=True if self.crc else None,
+                                   stream=k, timeout=self.timeout)  # fmt: skip
+            # several streams share the pool: each may hold a message of its share only
+            rx.max_message = min(
+                rx.max_message, self.pool.nchunks // self.at_once * self.pool.chunk
+            )
+            self.live.add(rx)
+            try:
+                for frag in rx:
+                    if self.verify:  # read where the bytes landed: the VF's FB
+                        hashes.setdefault(frag.stream, hashlib.sha256()).update(frag.array())
+                    got[frag.stream] = got.get(frag.stream, 0) + frag.size
+                    self.pool.release([frag.token])
+            finally:
+                self.live.discard(rx)
+        except RxError as e:
+            errors = [str(s) for s in e.errors]
+        except (TimeoutError, GpuvirtError) as e:
+            errors = [str(e)]
+        t1 = time.perf_counter()
+        self._report(peer, got, hashes, errors, t0, t1)
+        self.slots.release()
+        self._poke()
+
+    def _report(self, peer: str, got: dict[int, int], hashes: dict[int, Any],
+                errors: list[str], t0: float, t1: float) -> None:  # fmt: skip
+        tl = self.tally
+        with tl.lock:
+            if not got and not errors:
+                err_console.print(
+                    f"[dim]empty connection from {peer} (a port probe?): not counted[/]"
+                )
+                return
+            tl.streams += 1
+            tl.bytes += sum(got.values())
+            tl.failed += bool(errors)
+            tl.first = t0 if tl.first is None else min(tl.first, t0)
+            tl.last = max(tl.last, t1)
+            for stream in sorted(got):
+                line = f"stream {stream}: {got[stream]} B"
+                if self.verify:
+                    line += f" sha256 {hashes[stream].hexdigest()}"
+                _say(line)
+                err_console.print(
+                    f"[dim]stream {stream} from {peer}: {_rate(got[stream], t1 - t0)}[/]"
+                )
+            for why in errors:
+                err_console.print(f"[red]failed:[/] {why}", soft_wrap=True)
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except (OSError, ValueError):
+        return "?"
+    return f"{host}:{port}"

@@ -29,7 +29,6 @@ import contextlib
 import os
 import pickle
 import select
-import selectors
 import signal
 import socket
 import sys
@@ -85,20 +84,33 @@ class EngineLoop:
         # malloc/free (an mmap/munmap pair at this size) on every launch.
         self._rxbuf = bytearray(MAX_MESSAGE)
         self._rxview = memoryview(self._rxbuf)
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(ctl, selectors.EVENT_READ, "ctl")
+        # A bare epoll, not selectors: its select() builds keys and lists per call, a few
+        # µs on every launch of the round trip this loop is the far end of.
+        self._ep = select.epoll()
+        self._ep.register(ctl.fileno(), select.EPOLLIN)
         # Device arrays in a kernel's result must travel as host arrays: the guest has no
         # device library to unpickle them with. Executors without device memory have none.
         self._to_host = getattr(executor, "to_host", None)
 
     def serve(self) -> None:
+        ctl = self.ctl.fileno()
         while True:
-            for key, _ in self.sel.select():
-                if key.data == "ctl":
+            for fd, _ in self._ep.poll():
+                if fd == ctl:
                     if not self._control():
                         return
-                else:
+                elif self.guest is not None:
                     self._guest_message()
+
+    def _ready_fds(self) -> set[int]:
+        return {fd for fd, _ in self._ep.poll()}
+
+    def _watch(self, sock: socket.socket) -> None:
+        self._ep.register(sock.fileno(), select.EPOLLIN)
+
+    def _unwatch(self, sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            self._ep.unregister(sock.fileno())
 
     def _control(self) -> bool:
         msg, fd = recv_fd(self.ctl)
@@ -108,7 +120,7 @@ class EngineLoop:
             self._drop_guest()
             self.guest = socket.socket(fileno=fd)
             if self._watching_guest():
-                self.sel.register(self.guest, selectors.EVENT_READ, "guest")
+                self._watch(self.guest)
             self.status.bump(Word.GUEST_EPOCH)
         else:
             self._on_control(msg)
@@ -123,7 +135,7 @@ class EngineLoop:
 
     def _drop_guest(self) -> None:
         if self.guest is not None:
-            self.sel.unregister(self.guest)
+            self._unwatch(self.guest)
             self.guest.close()
             self.guest = None
         self.kernels.clear()
@@ -245,9 +257,9 @@ class CoopEngineLoop(EngineLoop):
         self.running = False
 
     def serve(self) -> None:
+        ctl = self.ctl.fileno()
         while True:
-            ready = self.sel.select()
-            if any(key.data == "ctl" for key, _ in ready):
+            if ctl in self._ready_fds():
                 if not self._control():
                     return
                 continue  # the command may have idled us or replaced the guest: look again
@@ -290,9 +302,9 @@ class CoopEngineLoop(EngineLoop):
         if self.guest is None:
             return
         if running:
-            self.sel.register(self.guest, selectors.EVENT_READ, "guest")
+            self._watch(self.guest)
         else:
-            self.sel.unregister(self.guest)
+            self._unwatch(self.guest)
 
     def _drop_guest(self) -> None:
         if self.guest is not None and not self.running:

@@ -96,9 +96,9 @@ class ProcessEngine(Engine):
     def adopt(self, spec: EngineSpec, fb_fd: int) -> None:
         """Give a spare (started with fb_fd None) its VF; INIT_GPU then completes as for
         any fresh engine (device/spare.py)."""
+        # It stays at its start's low priority until INIT_GPU is done (the host restores it
+        # then): what is left of its start must not take the CPU from the neighbours' guests.
         self.spec = spec
-        with contextlib.suppress(OSError):  # its start was background work; this is not
-            os.setpriority(os.PRIO_PROCESS, self.pid, 0)
         send_fd(self._ctl, CTL_ADOPT + ADOPT.pack(spec.vf, spec.fb_size), fb_fd)
 
     def attach_guest(self, channel_fd: int) -> None:

@@ -13,6 +13,7 @@ serves that VF only: one per VF, keyed by its index.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
@@ -39,11 +40,15 @@ class Spares(Generic[E]):
         CTL_ADOPT), with the identity and limits of the VF `identity` names."""
         self._start = start
         self._engines: dict[int, E] = {}
+        # emu refills from the thread that ran the taker's INIT (EmuEngine.after_init)
+        self._lock = threading.Lock()
+        self._closed = False
 
     def take(self, key: int, spec: EngineSpec, fb_fd: int, fault: bool) -> E | None:
         """The spare under `key`, now the engine of spec's VF; None when there is none
         to give (none started, it died, or a test fault wants a fresh process)."""
-        engine = self._engines.pop(key, None)
+        with self._lock:
+            engine = self._engines.pop(key, None)
         if engine is not None and not fault and engine.alive():
             engine.adopt(spec, fb_fd)
             return engine
@@ -52,13 +57,18 @@ class Spares(Generic[E]):
         return None
 
     def refill(self, key: int, identity: EngineSpec) -> None:
-        """Start the next spare under `key` (the previous one was taken or is replaced)."""
-        old = self._engines.pop(key, None)
-        if old is not None:
-            old.kill()
-        self._engines[key] = self._start(identity)
+        """Start the next spare under `key`, unless a live one is there already."""
+        with self._lock:
+            old = self._engines.get(key)
+            if self._closed or (old is not None and old.alive()):
+                return
+            if old is not None:
+                old.kill()
+            self._engines[key] = self._start(identity)
 
     def close(self) -> None:
-        for engine in self._engines.values():
-            engine.kill()
-        self._engines.clear()
+        with self._lock:
+            self._closed = True
+            for engine in self._engines.values():
+                engine.kill()
+            self._engines.clear()

@@ -73,13 +73,15 @@ _REFUSALS = {
     FailReason.QUARANTINED: "the VF is quarantined after repeated resets; an admin must run "
     "`gpuvirt vf clear-guard N`",
     FailReason.BAD_ATTACH: "the host did not understand the ATTACH frame",
+    FailReason.BAD_STATE: "the VF is not in a state that allows this now (being reset or "
+    "re-initialized?); retry once it is ready",
 }
 
 
 def _reason(frame: Frame) -> str:
     try:
         return _REFUSALS[FailReason(frame.dw1)]
-    except ValueError:
+    except (ValueError, KeyError):
         return f"refused (code 0x{frame.dw1:x})"
 
 

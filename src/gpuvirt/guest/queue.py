@@ -18,6 +18,7 @@ import itertools
 import os
 import pickle
 import socket
+import struct
 import sys
 import sysconfig
 import threading
@@ -32,6 +33,12 @@ from gpuvirt.errors import DetachedError, GpuvirtError, KernelError, VFResetErro
 from gpuvirt.protocol.command import MAX_MESSAGE, Copy, Kind, Message, Status
 
 _kernel_ids = itertools.count(1)
+# A blocked read re-checks its deadline this often. The wait is the kernel's own
+# (SO_RCVTIMEO on a blocking socket), not Python's socket timeout: that one polls
+# before every send and receive and flips O_NONBLOCK on every change, three
+# syscalls more per launch than the plain send and receive the launch needs.
+RECV_TICK_S = 0.1
+_TIMEVAL = struct.Struct("@ll")
 
 
 class Kernel:
@@ -101,6 +108,7 @@ class LaunchFuture(Future[Any]):
 class CommandQueue:
     def __init__(self, channel: socket.socket, doorbell: int) -> None:
         self.channel = channel
+        channel.setblocking(True)  # see RECV_TICK_S; the fd may come non-blocking
         self.doorbell = doorbell
         self.pending: dict[int, LaunchFuture] = {}
         self.completed = 0
@@ -109,7 +117,7 @@ class CommandQueue:
         self._send_lock = threading.Lock()
         self._pump_lock = threading.Lock()
         self._broken: GpuvirtError | None = None
-        self._timeout: float | None = -1.0
+        self._rcvtimeo = 0.0  # SO_RCVTIMEO now; 0 = none (the socket's default)
         self._rxbuf = bytearray(MAX_MESSAGE)  # see device/engine.py: no big alloc per recv
 
     def launch(self, k: Kernel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LaunchFuture:
@@ -166,13 +174,19 @@ class CommandQueue:
                 self._pump_lock.release()
 
     def _pump_one(self, timeout: float | None) -> None:
-        if timeout != self._timeout:  # each change is a syscall; most waits repeat theirs
-            self.channel.settimeout(timeout)
-            self._timeout = timeout
+        # Most waits are long or unbounded and reuse the setting already there: no
+        # syscall; only the last tick before a deadline is set to the time left.
+        tick = 0.0 if timeout is None else max(min(timeout, RECV_TICK_S), 1e-3)
+        if tick != self._rcvtimeo:
+            sec = int(tick)
+            self.channel.setsockopt(
+                socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(sec, int((tick - sec) * 1e6))
+            )
+            self._rcvtimeo = tick
         try:
             n = self.channel.recv_into(self._rxbuf)
-        except TimeoutError:
-            return
+        except BlockingIOError:
+            return  # the tick passed; wait() checks its deadline
         except OSError as e:
             n = 0
             if self._broken is None:

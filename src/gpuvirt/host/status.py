@@ -64,6 +64,7 @@ class StatusReport:
         snap = self.sched.snapshot()
         return {
             "elapsed_ns": snap["elapsed_ns"],
+            "monotonic_ns": snap["monotonic_ns"],
             "lost_ns": snap["lost_ns"],
             "idle_ns": snap["idle_ns"],
             "vfs": {str(vf): s["device_ns"] for vf, s in snap["vfs"].items()},

@@ -1,0 +1,177 @@
+"""The benchmarks at tiny sizes: real hosts, guests and engines; the JSON they print has the
+keys DESIGN.md names and values consistent with each other. No timing thresholds: the
+figures themselves belong to a quiet machine, what is checked here is how they are made."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuvirt.bench import launch, netgpu
+from gpuvirt.bench.common import machine, spread
+from gpuvirt.bench.flr import run as flr_run
+from gpuvirt.bench.scale import fb_memory, pss_bytes
+from gpuvirt.bench.sched import busy_windows, disagreement_pp, jain, shares
+from gpuvirt.bench.workers import spin_log, work_between
+from helpers import MakeHost
+
+MACHINE_KEYS = {"cpu", "cores", "kernel", "backend", "sandbox", "virt"}
+
+
+def assert_spread(spreads: dict[str, list[float]], figures: dict[str, object]) -> None:
+    for name, (lo, mid, hi) in spreads.items():
+        assert lo <= mid <= hi, (name, lo, mid, hi)
+        if name in figures:  # the headline is the median of its rounds
+            assert figures[name] == mid, name
+
+
+# ---- pure pieces ------------------------------------------------------------------------
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=30))
+def test_spread_is_min_median_max(xs: list[float]) -> None:
+    lo, mid, hi = spread(xs, 9)
+    assert lo == round(min(xs), 9) and hi == round(max(xs), 9)
+    assert lo <= mid <= hi
+
+
+@given(
+    st.lists(st.integers(0, 1000), min_size=1, max_size=40),
+    st.lists(st.integers(0, 50_000), min_size=3, max_size=3),
+)
+def test_work_between_is_additive_and_never_negative(steps: list[int], cuts: list[int]) -> None:
+    t = itertools.accumulate(steps)
+    progress = list(zip((1000 * i for i in range(len(steps))), t, strict=False))
+    a, b, c = sorted(cuts)
+    ab, bc, ac = (work_between(progress, x, y) for x, y in ((a, b), (b, c), (a, c)))
+    assert ab >= 0 and bc >= 0
+    assert ab + bc == ac
+    assert work_between(progress, -1, 10**9) == progress[-1][1]
+
+
+def test_spin_log_is_a_cumulative_record_in_its_own_clock() -> None:
+    log = spin_log(None, 0.02, checkpoint_ns=2_000_000)
+    times = [t for t, _ in log]
+    work = [n for _, n in log]
+    assert times == sorted(times) and work == sorted(work)
+    assert log[-1][0] - log[0][0] >= 20_000_000
+    assert len(log) >= 5 and work[-1] > 0
+
+
+def test_machine_names_what_the_figures_were_measured_on() -> None:
+    m = machine("emu")
+    assert set(m) >= MACHINE_KEYS
+    assert m["cores"] == os.cpu_count() and m["backend"] == "emu"
+
+
+def test_netgpu_result_judges_every_mode_and_stream_count() -> None:
+    trials = [
+        {"mode": mode, "path": path, "streams": n, "rep": rep,
+         "gbytes_per_s": 2.0 if path != "zerocopy" else 2.0 * (0.9 if mode == "raw" else 1.0),
+         "cpu_s_per_gb": 0.1 if path != "zerocopy" else 0.1 * (1.0 + 0.01 * n)}
+        for rep in range(3) for mode in netgpu.MODES for n in netgpu.STREAMS
+        for path in netgpu.PATHS
+    ]  # fmt: skip
+    r = netgpu._result(trials, "emu", 1 << 20, 3, "userspace").to_json()
+    assert {row["mode"] for row in r["rows"]} == {"framed", "raw"}
+    assert {row["streams"] for row in r["rows"]} == {1, 2, 4}
+    assert r["throughput_ratio"] == pytest.approx(0.9)  # the raw-mode rows, the worst
+    assert r["cpu_ratio"] == pytest.approx(1.04)  # 4 streams, the worst
+    assert r["rounds"] == 3 and set(r["machine"]) >= MACHINE_KEYS
+    assert_spread(r["spread"], r)
+    assert r["targets"]["throughput_ratio"]["met"] is False
+
+
+# ---- real runs ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_launch_bench_pins_both_placements_and_reports_rounds() -> None:
+    r = launch.run(quick=True).to_json()
+    for key in ("p50_us", "p99_us", "floor_p50_us", "rounds", "spread", "machine", "placement"):
+        assert key in r, key
+    assert r["rounds"] >= 3
+    assert set(r["machine"]) >= MACHINE_KEYS
+    assert_spread(r["spread"], r)
+    names = list(r["placements"])
+    assert "together" in names and r["placement"] == names[0]
+    if len(os.sched_getaffinity(0)) > 1:
+        assert names == ["apart", "together"]
+        apart = r["placements"]["apart"]
+        assert apart["guest_cpu"] not in apart["engine_cpus"]
+    together = r["placements"]["together"]
+    assert together["guest_cpu"] in together["engine_cpus"]
+    for p in r["placements"].values():
+        assert all(v >= 0 for v in p["ctx_switches_per_launch"].values())
+        sp = p["spread"]
+        assert sp["p50_us"][0] <= sp["p99_us"][2]
+    assert r["targets"]["ratio_p50"]["value"] == r["ratio_p50"]
+
+
+@pytest.mark.timeout(240)
+def test_engine_measured_shares_sum_to_one_beside_the_schedulers(make_host: MakeHost) -> None:
+    hp = make_host(sriov={"vf_num": 3}, scheduler={"policy": "weighted", "time_slice_ms": 6})
+    vfs = [0, 1, 2]
+    windows = busy_windows(hp, vfs, 0.4, windows=3, kernel_s=0.02)
+    assert len(windows) == 3
+    for a, b in itertools.pairwise(windows):
+        assert a["span_ns"] > 0 and b["span_ns"] > 0
+    for w in windows:
+        eng, sch = shares(w, vfs), shares(w, vfs, "device_ns")
+        assert sum(eng.values()) == pytest.approx(1.0)
+        assert sum(sch.values()) == pytest.approx(1.0)
+        # every busy VF got work done, by its own kernels' count
+        assert all(w["work"][vf] > 0 for vf in vfs)
+        gap = disagreement_pp(w, vfs)
+        assert gap == pytest.approx(max(100 * abs(eng[v] - sch[v]) for v in vfs))
+        assert 0 < jain(list(eng.values())) <= 1.0 + 1e-9
+
+
+@pytest.mark.timeout(120)
+def test_fb_memory_untouched_touched_and_scrubbed(make_host: MakeHost) -> None:
+    hp = make_host(sriov={"vf_num": 2})
+    fb = fb_memory(hp, 1)
+    assert fb["untouched"] < fb["touched"]
+    assert fb["touched"] - fb["untouched"] >= 32 << 20
+    assert fb["after_scrub"] == fb["untouched"]
+    engine = hp.status()["vfs"][0]["engine_pid"]
+    assert pss_bytes(engine) > 0
+
+
+@pytest.mark.timeout(600)
+def test_flr_bench_reports_every_neighbour_and_the_schedulers_view() -> None:
+    r = flr_run(quick=True).to_json()
+    assert r["rounds"] >= 3
+    assert len(r["neighbour_share_ratios"]) == 2 * r["rounds"]
+    assert len(r["neighbour_share_ratios_sched"]) == 2 * r["rounds"]
+    assert all(x >= 0 for x in r["neighbour_share_ratios"])
+    assert_spread(r["spread"], r)
+    assert r["neighbour_share_ratio"] == r["spread"]["neighbour_share_ratio"][1]
+    assert set(r["machine"]) >= MACHINE_KEYS
+
+
+@pytest.mark.timeout(180)
+def test_netgpu_trials_take_every_stream_count_on_every_path(make_host: MakeHost) -> None:
+    import multiprocessing as mp
+
+    import gpuvirt
+
+    hp = make_host(sriov={"vf_num": 1})
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    sender = ctx.Process(target=netgpu._sender_main, args=(child,), daemon=True)
+    sender.start()
+    try:
+        with gpuvirt.attach(0, socket=hp.socket, token=hp.token(0)) as gpu:
+            paths = netgpu._Paths(gpu)
+            for mode in netgpu.MODES:
+                for path in netgpu.PATHS:
+                    t = netgpu._trial(paths, parent, mode, path, max(netgpu.STREAMS), 8 << 20, 0)
+                    assert t["gbytes_per_s"] > 0 and t["cpu_s_per_gb"] >= 0
+    finally:
+        parent.send(None)
+        sender.join(10)
