@@ -57,6 +57,7 @@ from gpuvirt.device.base import (
 )
 from gpuvirt.device.emu import FAULT_ENV, _Faults, punch_hole
 from gpuvirt.device.engine import CTL_FAIL, CTL_WAKE
+from gpuvirt.device.memfd import sealed_memfd
 from gpuvirt.device.process import ProcessEngine
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
@@ -301,8 +302,8 @@ class CudaDevice(Device):
         return self.gpu.free
 
     def create_fb(self, vf: int, size: int) -> int:
-        fd = os.memfd_create(f"gpuvirt-vf{vf}-aperture", os.MFD_CLOEXEC)
-        os.ftruncate(fd, APERTURE_SIZE)  # sparse until the engine pins the staging area
+        # sparse until the engine pins the staging area
+        fd = sealed_memfd(f"gpuvirt-vf{vf}-aperture", APERTURE_SIZE)
         self._apertures[vf] = (fd, size)
         return fd
 

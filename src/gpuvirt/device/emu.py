@@ -28,6 +28,7 @@ from gpuvirt.device.base import (
     Watchdog,
 )
 from gpuvirt.device.engine import ADOPT, CTL_ADOPT
+from gpuvirt.device.memfd import sealed_memfd
 from gpuvirt.device.process import ProcessEngine, send_fd
 from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.command import BufDesc, Copy
@@ -165,8 +166,7 @@ class EmuDevice(Device):
         return None
 
     def create_fb(self, vf: int, size: int) -> int:
-        fd = os.memfd_create(f"gpuvirt-vf{vf}-fb", os.MFD_CLOEXEC)
-        os.ftruncate(fd, size)  # sparse: costs memory only where touched
+        fd = sealed_memfd(f"gpuvirt-vf{vf}-fb", size)  # sparse: costs memory only where touched
         self._fbs[vf] = (fd, size)
         return fd
 
