@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import ipaddress
 import math
 import os
 import re
@@ -88,6 +89,7 @@ __all__ = [
     "default_runtime_dir",
     "default_state_dir",
     "format_size",
+    "is_loopback",
     "load_config",
     "load_or_create_token",
     "parse_config",
@@ -126,6 +128,12 @@ DEFAULT_FULLACCESS_TIMEOUT_MS = 1500
 DEFAULT_READY_TO_RESET_WAIT_MS = 10
 DEFAULT_GUARD_FLR = "3/60s"
 DEFAULT_VF_WEIGHT = 1.0
+# Per-peer limits on the mailbox and the event log (DESIGN.md, "Untrusted inputs").
+DEFAULT_ATTACH_TIMEOUT_MS = 5000  # a connection not attached by then is closed
+DEFAULT_MAX_PENDING_ATTACH = 64  # connections not yet attached, all peers together
+DEFAULT_MAX_FRAMES_PER_S = 1000  # per connection; an honest guest sends a handful
+DEFAULT_EVENT_LOG_MAX = 16 * MiB  # events.jsonl is rotated past this
+DEFAULT_EVENT_LOG_FILES = 4  # rotated files kept: events.jsonl.1 .. .N
 
 FB_RESERVED = 128 * KiB  # head of every FB: PF2VF at 64 KiB, VF2PF at 65 KiB
 MIN_VF_FB = 1 * MiB
@@ -374,6 +382,16 @@ def _parse_admin(text: str) -> Path | tuple[str, int]:
     return host, int(port_text)
 
 
+def is_loopback(host: str) -> bool:
+    """Only an address the kernel keeps on this machine; a name other than localhost is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _window_text(value: str) -> str:
     parse_window(value)
     return value
@@ -411,7 +429,14 @@ class HostSection(BaseModel):
 
     socket: AbsPath | None = None
     admin: Annotated[str, BeforeValidator(_admin_text)] | None = None
+    # Bearer token for a TCP admin address (created if missing); required off loopback.
+    admin_token_file: AbsPath | None = None
     state_dir: AbsPath | None = None
+    attach_timeout_ms: Annotated[int, _in_range(1, 60_000)] = DEFAULT_ATTACH_TIMEOUT_MS
+    max_pending_attach: Annotated[int, _in_range(1, 65_536)] = DEFAULT_MAX_PENDING_ATTACH
+    max_frames_per_s: Annotated[int, _in_range(1, 10_000_000)] = DEFAULT_MAX_FRAMES_PER_S
+    event_log_max: NonZeroSize = DEFAULT_EVENT_LOG_MAX
+    event_log_files: Annotated[int, _in_range(1, 100)] = DEFAULT_EVENT_LOG_FILES
 
     def socket_path(self, *, create: bool = True) -> Path:
         """The mailbox socket: ``socket``, else ``default_runtime_dir()/host.sock``."""
@@ -532,6 +557,18 @@ class HostConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Self:
+        admin = self.host.admin_address(create=False)
+        if (
+            isinstance(admin, tuple)
+            and not is_loopback(admin[0])
+            and self.host.admin_token_file is None
+        ):
+            raise _InvalidConfig([
+                f"host.admin = {_toml_str(self.host.admin or '')}: {admin[0]} is not a "
+                "loopback address, and the admin API would be open to the network without "
+                "authentication; set host.admin_token_file (a bearer token) or listen on "
+                "127.0.0.1, [::1] or a Unix socket"
+            ])  # fmt: skip
         total = self.device.fb_total
         if total is None and self.device.backend == "emu":
             total = DEFAULT_EMU_FB_TOTAL
@@ -683,7 +720,15 @@ class HostConfig(BaseModel):
             "[host]",
             f"socket = {_toml_str(str(h.socket_path(create=False)))}",
             f"admin = {_toml_str(admin_text)}",
+            f"admin_token_file = {_toml_str(str(h.admin_token_file))}"
+            if h.admin_token_file is not None
+            else "# admin_token_file: not set; a TCP admin address must be loopback",
             f"state_dir = {_toml_str(str(h.state_path(create=False)))}",
+            f"attach_timeout_ms = {h.attach_timeout_ms}",
+            f"max_pending_attach = {h.max_pending_attach}",
+            f"max_frames_per_s = {h.max_frames_per_s}",
+            f"event_log_max = {_toml_str(format_size(h.event_log_max))}",
+            f"event_log_files = {h.event_log_files}",
             "",
             "[device]",
             f"backend = {_toml_str(d.backend)}",
