@@ -96,6 +96,7 @@ __all__ = [
     "parse_size",
     "parse_token",
     "parse_window",
+    "read_token",
 ]
 
 KiB = 1 << 10
@@ -1132,6 +1133,11 @@ def load_or_create_token(path: Path) -> bytes:
     if token is None:
         token = _create_token(path)
     return token
+
+
+def read_token(path: Path) -> bytes | None:
+    """The token in ``path``, or None if there is no such file (never creates one)."""
+    return _read_token(Path(path))
 
 
 def _read_token(path: Path) -> bytes | None:

@@ -72,6 +72,7 @@ _REFUSALS = {
     FailReason.QUARANTINED: "the VF is quarantined after repeated resets; an admin must run "
     "`gpuvirt vf clear-guard N`",
     FailReason.BAD_ATTACH: "the host did not understand the ATTACH frame",
+    FailReason.TOO_MANY: "the host has too many connections waiting to attach; try again",
 }
 
 

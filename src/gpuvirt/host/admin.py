@@ -9,28 +9,57 @@
 
 One request per connection (Connection: close): the clients are the CLI, curl
 and a Prometheus scraper, none of which needs more.
+
+Who may call: on a Unix socket, whoever the socket's mode lets connect; on TCP,
+the address must be loopback unless `host.admin_token_file` is set, and with a
+token every TCP request needs `Authorization: Bearer <token>` (else 401). Every
+mutating call is an event naming its caller (uid from SO_PEERCRED on the Unix
+socket, the peer address on TCP). Long-polls (`/events?wait=`) wait on the loop
+and hold no thread, so they never delay the FLRs that the executor runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import math
 import os
+import socket
+import struct
 from dataclasses import asdict
 from http import HTTPStatus
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from gpuvirt.errors import GpuvirtError
-from gpuvirt.host.events import Category
-
-if TYPE_CHECKING:
-    from gpuvirt.host.daemon import Host
+from gpuvirt.host.events import Category, EventLog
+from gpuvirt.host.vfmgr import VF
 
 MAX_REQUEST = 16 * 1024
+MAX_CLIENTS = 64  # requests in flight; more get 503 rather than host memory
+MAX_WAIT_S = 30.0
 ACTIONS = ("enable", "disable", "reset", "clear-fb", "clear-guard")
+
+
+class AdminHost(Protocol):
+    """Everything the admin endpoint may touch on the host."""
+
+    events: EventLog
+
+    def status(self) -> dict[str, Any]: ...
+    def sched_view(self, latencies: bool) -> dict[str, Any]: ...
+    def metrics(self) -> tuple[bytes, str]: ...
+    def find_vf(self, index: int) -> VF | None: ...
+    def vf_count(self) -> int: ...
+    def vf_status(self, vf: VF) -> dict[str, Any]: ...
+    async def enable(self, vf: VF) -> None: ...
+    async def disable(self, vf: VF) -> None: ...
+    async def reset_vf(self, vf: VF, reason: str) -> None: ...
+    async def clear_fb(self, vf: VF) -> None: ...
+    async def clear_guard(self, vf: VF) -> None: ...
 
 
 class HttpError(Exception):
@@ -40,12 +69,17 @@ class HttpError(Exception):
 
 
 class AdminServer:
-    def __init__(self, host: Host) -> None:
+    def __init__(
+        self, host: AdminHost, address: Path | tuple[str, int], token: bytes | None
+    ) -> None:
         self.host = host
-        self.address = host.admin_address
+        self.address = address
         self.where = (
             str(self.address) if isinstance(self.address, Path) else "{}:{}".format(*self.address)
         )
+        # Bearer tokens are the hex of the token file's secret, like the VF tokens.
+        self._token = token.hex().encode() if token is not None else None
+        self._clients = 0
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -66,13 +100,20 @@ class AdminServer:
                 self.address.unlink()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._clients += 1
         try:
-            status, ctype, body = await self._request(reader)
+            if self._clients > MAX_CLIENTS:
+                raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, "too many admin requests at once")
+            status, ctype, body = await self._request(reader, caller(writer))
         except HttpError as e:
             status, ctype, body = e.status, "application/json", _json({"error": str(e)})
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        except (
+            asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, TimeoutError,
+        ):  # fmt: skip
             writer.close()
             return
+        finally:
+            self._clients -= 1
         head = (
             f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -82,73 +123,92 @@ class AdminServer:
             await writer.drain()
         writer.close()
 
-    async def _request(self, reader: asyncio.StreamReader) -> tuple[HTTPStatus, str, bytes]:
+    async def _request(
+        self, reader: asyncio.StreamReader, who: dict[str, Any]
+    ) -> tuple[HTTPStatus, str, bytes]:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         if len(head) > MAX_REQUEST:
             raise HttpError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request too large")
+        lines = head.split(b"\r\n")
         try:
-            method, target, _version = head.split(b"\r\n", 1)[0].decode("ascii").split(" ")
+            method, target, _version = lines[0].decode("ascii").split(" ")
         except (UnicodeDecodeError, ValueError):
             raise HttpError(HTTPStatus.BAD_REQUEST, "malformed request line") from None
+        if self._token is not None and "address" in who:
+            self._authenticate(lines[1:])
         url = urlsplit(target)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         parts = [p for p in url.path.split("/") if p]
         if method == "GET" and parts == ["metrics"]:
-            from gpuvirt.host.metrics import render
-
-            data, ctype = render(self.host)
+            data, ctype = self.host.metrics()
             return HTTPStatus.OK, ctype, data
-        return HTTPStatus.OK, "application/json", _json(await self._route(method, parts, query))
+        body = await self._route(method, parts, query, who)
+        return HTTPStatus.OK, "application/json", _json(body)
 
-    async def _route(self, method: str, parts: list[str], query: dict[str, str]) -> Any:
+    def _authenticate(self, headers: list[bytes]) -> None:
+        assert self._token is not None
+        for line in headers:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"authorization":
+                scheme, _, given = value.strip().partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._token):
+                    return
+                break
+        raise HttpError(
+            HTTPStatus.UNAUTHORIZED,
+            "missing or wrong bearer token (Authorization: Bearer <the hex in "
+            "host.admin_token_file>)",
+        )
+
+    async def _route(
+        self, method: str, parts: list[str], query: dict[str, str], who: dict[str, Any]
+    ) -> Any:
         host = self.host
         if method == "GET" and parts == ["status"]:
             return host.status()
         if method == "GET" and parts == ["sched"]:
-            snap = host.sched.snapshot()
-            if query.get("latencies"):
-                snap["latencies_ns"] = list(host.sched.stats.latencies_ns)
-                snap["commands_ns"] = {k: list(v) for k, v in host.sched.stats.commands_ns.items()}
-            return snap
+            return host.sched_view(bool(query.get("latencies")))
         if method == "GET" and parts == ["events"]:
             after = _int(query, "after", 0)
             vf = _int(query, "vf", None)
-            wait = min(float(query.get("wait", 0) or 0), 30.0)
+            wait = _wait(query)
             if wait > 0 and host.events.last_seq <= after:
-                await asyncio.to_thread(host.events.wait, after, wait)
+                await host.events.wait_async(after, wait)
             return [asdict(e) for e in host.events.since(after, vf, _int(query, "limit", 1000))]
         if len(parts) >= 2 and parts[0] == "vf":
             vf = self._vf(parts[1])
             if method == "GET" and len(parts) == 2:
                 return host.vf_status(vf)
             if method == "POST" and len(parts) == 3:
-                return await self._action(vf, parts[2])
+                return await self._action(vf, parts[2], who)
         raise HttpError(HTTPStatus.NOT_FOUND, f"no such endpoint: {method} /{'/'.join(parts)}")
 
-    def _vf(self, text: str):
-        try:
-            index = int(text)
-            return self.host.vfm[index]
-        except (ValueError, IndexError):
+    def _vf(self, text: str) -> VF:
+        vf = self.host.find_vf(int(text)) if text.isascii() and text.isdigit() else None
+        if vf is None:
             raise HttpError(
                 HTTPStatus.NOT_FOUND,
-                f"no VF {text!r}: this host has VFs 0..{len(self.host.vfm) - 1}",
-            ) from None
+                f"no VF {text!r}: this host has VFs 0..{self.host.vf_count() - 1}",
+            )
+        return vf
 
-    async def _action(self, vf: Any, action: str) -> Any:
+    async def _action(self, vf: VF, action: str, who: dict[str, Any]) -> Any:
         host = self.host
         if action not in ACTIONS:
             raise HttpError(
                 HTTPStatus.NOT_FOUND, f"unknown action {action!r}; one of {', '.join(ACTIONS)}"
             )
-        host.events.emit(Category.ADMIN, action, f"admin: {action} VF{vf.index}", vf.index)
+        by = f"uid {who['uid']}" if "uid" in who else who.get("address", "?")
+        host.events.emit(
+            Category.ADMIN, action, f"admin ({by}): {action} VF{vf.index}", vf.index, caller=who
+        )
         try:
             if action == "enable":
                 await host.enable(vf)
             elif action == "disable":
                 await host.disable(vf)
             elif action == "reset":
-                await host.resetter.flr(vf, "admin")
+                await host.reset_vf(vf, "admin")
             elif action == "clear-fb":
                 await host.clear_fb(vf)
             else:
@@ -160,6 +220,31 @@ class AdminServer:
 
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, default=str).encode()
+
+
+def caller(writer: asyncio.StreamWriter) -> dict[str, Any]:
+    """Who is calling: uid/pid from SO_PEERCRED on a Unix socket, the address on TCP."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        pid, uid, gid = struct.unpack(
+            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
+        return {"uid": uid, "gid": gid, "pid": pid}
+    peer = writer.get_extra_info("peername")
+    return {"address": f"{peer[0]}:{peer[1]}" if peer else "?"}
+
+
+def _wait(query: dict[str, str]) -> float:
+    text = query.get("wait", "0") or "0"
+    try:
+        wait = float(text)
+    except ValueError:
+        wait = math.nan
+    if not math.isfinite(wait) or wait < 0:
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST, f"wait={text!r}: must be a number of seconds, 0 or more"
+        )
+    return min(wait, MAX_WAIT_S)
 
 
 def _int(query: dict[str, str], key: str, default: int | None) -> Any:
