@@ -25,18 +25,23 @@ class _UnixConnection(http.client.HTTPConnection):
 
 class AdminClient:
     def __init__(
-        self, address: Path | tuple[str, int], timeout: float = 30.0, token: bytes | None = None
+        self,
+        address: Path | tuple[str, int],
+        timeout: float = 30.0,
+        token_file: Path | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
-        self._headers = {"Authorization": f"Bearer {token.hex()}"} if token is not None else {}
+        self.token_file = token_file  # read per request: the host may create it after us
 
     @classmethod
     def of(cls, host: HostSection, *, create: bool = True) -> AdminClient:
         """The client for a host's [host] section, with its bearer token if it has one."""
-        token_file = host.admin_token_file
-        token = read_token(token_file) if token_file is not None else None
-        return cls(host.admin_address(create=create), token=token)
+        return cls(host.admin_address(create=create), token_file=host.admin_token_file)
+
+    def _headers(self) -> dict[str, str]:
+        token = read_token(self.token_file) if self.token_file is not None else None
+        return {"Authorization": f"Bearer {token.hex()}"} if token is not None else {}
 
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
         if isinstance(self.address, Path):
@@ -50,7 +55,7 @@ class AdminClient:
     def raw(self, method: str, path: str, timeout: float | None = None) -> tuple[bytes, str]:
         conn = self._conn(timeout or self.timeout)
         try:
-            conn.request(method, path, headers=self._headers)
+            conn.request(method, path, headers=self._headers())
             resp = conn.getresponse()
             body = resp.read()
         except (FileNotFoundError, ConnectionRefusedError) as e:

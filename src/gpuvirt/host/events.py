@@ -15,6 +15,7 @@ history out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import json
 import os
@@ -126,15 +127,21 @@ class EventLog:
 
     async def wait_async(self, after: int, timeout: float) -> None:
         """On the loop, holding no thread: until an event newer than `after` exists."""
-        waiter = (asyncio.get_running_loop(), asyncio.Event())
-        with self._lock:
-            if self._seq > after:
-                return
-            self._waiters.add(waiter)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        waiter = (loop, asyncio.Event())
         try:
-            await asyncio.wait_for(waiter[1].wait(), timeout)
-        except TimeoutError:
-            pass
+            while True:
+                with self._lock:
+                    if self._seq > after:
+                        return
+                    waiter[1].clear()
+                    self._waiters.add(waiter)
+                left = deadline - loop.time()
+                if left <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter[1].wait(), left)
         finally:
             with self._lock:
                 self._waiters.discard(waiter)
