@@ -153,11 +153,19 @@ class MailboxServer:
         )  # fmt: skip
 
 
+async def recv_some(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    """Up to n bytes; b"" once the peer closed, however it closed (a reset included)."""
+    try:
+        return await loop.sock_recv(sock, n)
+    except OSError:
+        return b""
+
+
 async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
     """Exactly n bytes, or fewer if the peer closed first."""
     buf = bytearray()
     while len(buf) < n:
-        chunk = await loop.sock_recv(sock, n - len(buf))
+        chunk = await recv_some(loop, sock, n - len(buf))
         if not chunk:
             break
         buf += chunk
@@ -194,7 +202,14 @@ class Session:
             anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         try:
             self.sock.sendmsg([frame.encode()], anc)
-        except (BlockingIOError, OSError):
+        except OSError as e:
+            if isinstance(e, BlockingIOError) and self.vf is not None:  # once: closed now
+                self.host.events.emit(
+                    Category.MAILBOX, "guest.dropped",
+                    f"guest pid {self.peer_pid} dropped: a reply could not be sent "
+                    f"({e.strerror or e}; a guest must read what the host sends)",
+                    self.vf.index,
+                )  # fmt: skip
             self.close()
             return False
         return True
@@ -286,7 +301,7 @@ class Session:
                     self._note_throttled()
                     await asyncio.sleep(wait)  # the frame-rate limit itself
                 room = int(bucket.available()) * FRAME_SIZE - len(buf)
-                chunk = await loop.sock_recv(self.sock, max(FRAME_SIZE, min(READ_CHUNK, room)))
+                chunk = await recv_some(loop, self.sock, max(FRAME_SIZE, min(READ_CHUNK, room)))
                 if not chunk:
                     return  # closed, possibly mid-frame: either way a fini
                 buf += chunk
