@@ -48,15 +48,6 @@ def marker_round_trip(g: RawGuest) -> None:
     raise AssertionError("the host closed the connection instead of answering")
 
 
-def drain(g: RawGuest) -> None:
-    """Read (and answer QUERY_ALIVE) until the connection ends."""
-    try:
-        while g.recv() is not None:
-            pass
-    except OSError:
-        pass
-
-
 def test_pre_auth_connections_are_capped(make_host: MakeHost) -> None:
     hp = make_host(host={"max_pending_attach": 4, "attach_timeout_ms": 60_000})
     with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as attached:
@@ -178,7 +169,7 @@ def test_liveness_is_answered_while_a_request_waits(make_host: MakeHost) -> None
     ):
         assert holder.init().msg == HostMsg.READY_TO_ACCESS_GPU
         # The holder stays alive too: it answers its own probes on a thread.
-        threading.Thread(target=drain, args=(holder,), daemon=True).start()
+        threading.Thread(target=holder.drain, daemon=True).start()
         waiter.send(Frame(GuestMsg.REQ_GPU_INIT_DATA))
         assert waiter.recv().msg == HostMsg.GPU_INIT_DATA_READY
         waiter.send(Frame(GuestMsg.REQ_GPU_INIT_ACCESS))

@@ -107,3 +107,36 @@ def test_sealed_memfd_refuses_resizing_but_allows_scrub() -> None:
 def test_sealed_memfd_reports_a_bad_size() -> None:
     with pytest.raises(DeviceError, match="memfd gpuvirt-test of -1 bytes"):
         sealed_memfd("gpuvirt-test", -1)
+
+
+def test_garbage_in_the_vf2pf_block_is_an_event_not_a_host_crash(make_host: MakeHost) -> None:
+    import mmap
+    import threading
+
+    from gpuvirt.bench.hostile import RawGuest
+    from gpuvirt.config import parse_token
+    from gpuvirt.protocol.info import BLOCK_SIZE, VF2PF_OFFSET
+    from gpuvirt.protocol.mailbox import Frame, GuestMsg, HostMsg
+    from helpers import last_seq, wait_event
+
+    hp = make_host()
+    after = last_seq(hp)
+    with (
+        gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as honest,
+        RawGuest.attached(hp.socket, 1, parse_token(hp.token(1))) as g,
+    ):
+        assert g.init().msg == HostMsg.READY_TO_ACCESS_GPU
+        g.send(Frame(GuestMsg.REL_GPU_INIT_ACCESS))
+        assert g.recv().msg == HostMsg.SUCCESS  # ACTIVE: the host reads VF2PF from now on
+        aperture = g.fds[0]
+        mem = mmap.mmap(aperture, os.fstat(aperture).st_size, mmap.MAP_SHARED)
+        rng = np.random.default_rng(3)
+        garbage = rng.integers(0, 256, BLOCK_SIZE, dtype=np.uint8).tobytes()
+        mem[VF2PF_OFFSET : VF2PF_OFFSET + BLOCK_SIZE] = garbage
+        threading.Thread(target=g.drain, daemon=True).start()
+        ev = wait_event(hp, lambda e: e["kind"] == "vf2pf.untrusted" and e["vf"] == 1, after=after)
+        assert "no longer read" in ev["message"]
+        assert hp.admin.vf(1)["vf2pf_untrusted"] is True
+        checked_square(honest, 32)  # the neighbour never noticed
+        mem.close()
+    assert hp.alive()

@@ -69,6 +69,12 @@ class RawGuest:
                 continue
             return frame
 
+    def drain(self) -> None:
+        """Read (answering QUERY_ALIVE) until the connection ends, as a live guest does."""
+        with contextlib.suppress(OSError, ValueError):
+            while self.recv() is not None:
+                pass
+
     def init(self) -> Frame | None:
         """INIT_DATA then INIT_ACCESS: the reply to the latter (READY_TO_ACCESS_GPU + fds)."""
         self.send(Frame(GuestMsg.REQ_GPU_INIT_DATA))
