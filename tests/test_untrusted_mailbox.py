@@ -12,6 +12,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gpuvirt
 from gpuvirt.bench.hostile import RawGuest
@@ -196,4 +198,54 @@ def test_garbage_mid_frame_disconnects_leave_the_host_serving(make_host: MakeHos
             while g.recv() is not None:
                 pass
         wait_state(hp, 1, "AVAIL")
+    honest_works(hp, 1)
+
+
+U32 = st.integers(0, 0xFFFFFFFF)
+FRAMES = st.builds(
+    Frame,
+    st.one_of(st.sampled_from([int(m) for m in GuestMsg] + [0, 7, 6, 199, 202]), U32),
+    st.one_of(st.integers(0, 16), U32),
+    st.one_of(st.just(0x56494C41), st.integers(0, 16), U32),
+    U32,
+)
+
+
+def back_to_avail(hp, vf: int) -> None:
+    """Until the VF can take a guest again, clearing its guard if the frames tripped it."""
+    after = last_seq(hp)
+    while True:
+        s = hp.admin.vf(vf)
+        if s["state"] == "AVAIL" and s["guest_pid"] is None:
+            return
+        if s["state"] == "QUARANTINED":
+            hp.admin.vf(vf, "clear-guard")
+            continue
+        for ev in hp.admin.events(after=after, vf=vf, wait=5):
+            after = max(after, ev["seq"])
+
+
+def test_hypothesis_frame_sequences_at_a_live_host(make_host: MakeHost) -> None:
+    hp = make_host(host={"max_frames_per_s": 1_000_000})
+    with gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as honest:
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(frames=st.lists(FRAMES, max_size=150), tail=st.binary(max_size=FRAME_SIZE - 1))
+        def attack(frames: list[Frame], tail: bytes) -> None:
+            back_to_avail(hp, 1)
+            with RawGuest.attached(hp.socket, 1, token(hp, 1)) as g:
+                try:
+                    g.send(*frames)
+                    g.send_raw(tail)
+                except OSError:
+                    pass  # the frames included a whole fini: the host closed, as it should
+            assert hp.alive()
+
+        attack()
+        x = honest.alloc(8, np.int32)
+        x.write(np.arange(8))
+        honest.launch(_double, x).result(10)
+        assert x.read().tolist() == [2 * i for i in range(8)]
+        assert hp.admin.vf(0)["flr_count"] == 0
+    back_to_avail(hp, 1)
     honest_works(hp, 1)
