@@ -102,16 +102,23 @@ class AdminServer:
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._clients += 1
         try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            except (
+                asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+                TimeoutError,
+            ):  # fmt: skip
+                writer.close()  # the caller went away or never sent a whole request
+                return
             if self._clients > MAX_CLIENTS:
                 raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, "too many admin requests at once")
-            status, ctype, body = await self._request(reader, caller(writer))
+            status, ctype, body = await self._request(head, caller(writer))
         except HttpError as e:
             status, ctype, body = e.status, "application/json", _json({"error": str(e)})
-        except (
-            asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, TimeoutError,
-        ):  # fmt: skip
-            writer.close()
-            return
+        except Exception as e:  # a host bug: the caller gets a 500 and the log an event
+            self.host.events.emit(Category.HOST, "bug", f"admin request failed: {e!r}", None)
+            status, ctype = HTTPStatus.INTERNAL_SERVER_ERROR, "application/json"
+            body = _json({"error": f"internal error: {e!r}"})
         finally:
             self._clients -= 1
         head = (
@@ -123,10 +130,7 @@ class AdminServer:
             await writer.drain()
         writer.close()
 
-    async def _request(
-        self, reader: asyncio.StreamReader, who: dict[str, Any]
-    ) -> tuple[HTTPStatus, str, bytes]:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    async def _request(self, head: bytes, who: dict[str, Any]) -> tuple[HTTPStatus, str, bytes]:
         if len(head) > MAX_REQUEST:
             raise HttpError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request too large")
         lines = head.split(b"\r\n")
