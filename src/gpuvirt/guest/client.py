@@ -78,9 +78,10 @@ _REFUSALS = {
 
 def _reason(frame: Frame) -> str:
     try:
-        return _REFUSALS[FailReason(frame.dw1)]
+        reason = FailReason(frame.dw1)
     except ValueError:
         return f"refused (code 0x{frame.dw1:x})"
+    return _REFUSALS.get(reason, f"refused ({reason.name})")
 
 
 class Gpu:
