@@ -558,6 +558,9 @@ def test_dump_has_every_key_and_round_trips() -> None:
         [host]
         admin = "[::1]:9464"
         socket_group = "root"
+        admin_token_file = "/x/admin.token"
+        max_frames_per_s = 50
+        event_log_max = "1MiB"
         [device]
         fb_total = "3GiB"
         [sriov]
@@ -591,6 +594,9 @@ def test_dump_has_every_key_and_round_trips() -> None:
         if section != "host":
             assert getattr(again, section) == getattr(cfg, section), section
     assert again.effective_fb_total() == cfg.effective_fb_total()
+    assert again.host == cfg.host.model_copy(
+        update={"socket": again.host.socket, "state_dir": again.host.state_dir}
+    )
     assert again.host.admin_address() == ("::1", 9464)
     assert again.host.socket_path() == cfg.host.socket_path()
     assert again.host.state_path() == cfg.host.state_path()
@@ -850,3 +856,36 @@ def test_a_guest_finds_the_socket_the_config_file_names(
     cfg.write_text("[host\n")
     with pytest.raises(ConfigError, match="cannot read"):
         paths.mailbox_socket()
+
+
+# --- untrusted-input limits -------------------------------------------------------
+
+
+@pytest.mark.parametrize("admin", ["0.0.0.0:9464", "10.1.2.3:80", "[::]:9464", "gpu1.example:9464"])
+def test_a_non_loopback_admin_address_needs_a_token(admin: str) -> None:
+    with pytest.raises(
+        ConfigError, match=r"host\.admin = .*not a loopback address.*admin_token_file"
+    ):
+        parse_config(f'[host]\nadmin = "{admin}"')
+    cfg = parse_config(f'[host]\nadmin = "{admin}"\nadmin_token_file = "/x/admin.token"')
+    assert cfg.host.admin_token_file == Path("/x/admin.token")
+
+
+@pytest.mark.parametrize("admin", ["127.0.0.1:9464", "127.9.9.9:1", "[::1]:9464", "localhost:9464"])
+def test_a_loopback_admin_address_needs_no_token(admin: str) -> None:
+    assert parse_config(f'[host]\nadmin = "{admin}"').host.admin_token_file is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [
+        ("attach_timeout_ms", "0", "between 1 and 60000"),
+        ("max_pending_attach", "0", "between 1 and 65536"),
+        ("max_frames_per_s", "-5", "between 1 and 10000000"),
+        ("event_log_files", "101", "between 1 and 100"),
+        ("event_log_max", '"0B"', ""),
+    ],
+)
+def test_limits_out_of_range_are_refused_with_key_and_value(key: str, value: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=rf"host\.{key}.*{why}"):
+        parse_config(f"[host]\n{key} = {value}")

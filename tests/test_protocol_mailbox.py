@@ -317,6 +317,7 @@ def test_fail_reason_values() -> None:
         "QUARANTINED": 0x1006,
         "BAD_STATE": 0x1007,
         "BAD_ATTACH": 0x1008,
+        "TOO_MANY": 0x1009,
     }
 
 

@@ -109,7 +109,7 @@ def test_fb_is_recarved_and_scrubbed_and_the_next_guest_gets_it(make_host: MakeH
     assert (ev["vf"], ev["data"]["fb"], ev["data"]["caller"]) == (
         0,
         [old["fb_total"], 96 * MiB],
-        "admin",
+        f"admin (uid {os.getuid()})",  # who called, from SO_PEERCRED
     )
     states = [
         e["data"]["new"] for e in hp.admin.events(after=after, vf=0) if e["kind"] == "transition"

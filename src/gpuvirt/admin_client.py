@@ -8,7 +8,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from gpuvirt.config import HostSection
 from gpuvirt.errors import GpuvirtError, HostUnreachableError
+from gpuvirt.tokens import read_token
 
 
 class AdminRefusedError(GpuvirtError):
@@ -32,9 +34,24 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 class AdminClient:
-    def __init__(self, address: Path | tuple[str, int], timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: Path | tuple[str, int],
+        timeout: float = 30.0,
+        token_file: Path | None = None,
+    ) -> None:
         self.address = address
         self.timeout = timeout
+        self.token_file = token_file  # read per request: the host may create it after us
+
+    @classmethod
+    def of(cls, host: HostSection, *, create: bool = True) -> AdminClient:
+        """The client for a host's [host] section, with its bearer token if it has one."""
+        return cls(host.admin_address(create=create), token_file=host.admin_token_file)
+
+    def _headers(self) -> dict[str, str]:
+        token = read_token(self.token_file) if self.token_file is not None else None
+        return {"Authorization": f"Bearer {token.hex()}"} if token is not None else {}
 
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
         if isinstance(self.address, Path):
@@ -55,7 +72,7 @@ class AdminClient:
         data = None if body is None else json.dumps(body).encode()
         headers = {} if data is None else {"Content-Type": "application/json"}
         try:
-            conn.request(method, path, data, headers)
+            conn.request(method, path, data, {**headers, **self._headers()})
             resp = conn.getresponse()
             body = resp.read()
         except (FileNotFoundError, ConnectionRefusedError) as e:

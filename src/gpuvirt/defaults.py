@@ -26,6 +26,12 @@ DEFAULT_FULLACCESS_TIMEOUT_MS = 1500
 DEFAULT_READY_TO_RESET_WAIT_MS = 10
 DEFAULT_GUARD_FLR = "3/60s"
 DEFAULT_VF_WEIGHT = 1.0
+# Per-peer limits on the mailbox and the event log (DESIGN.md, "Untrusted inputs").
+DEFAULT_ATTACH_TIMEOUT_MS = 5000  # a connection not attached by then is closed
+DEFAULT_MAX_PENDING_ATTACH = 64  # connections not yet attached, all peers together
+DEFAULT_MAX_FRAMES_PER_S = 1000  # per connection; an honest guest sends a handful
+DEFAULT_EVENT_LOG_MAX = 16 * MiB  # events.jsonl is rotated past this
+DEFAULT_EVENT_LOG_FILES = 4  # rotated files kept: events.jsonl.1 .. .N
 DEFAULT_SANDBOX = "required"
 DEFAULT_UID_BASE = 200000  # engine uid/gid = uid_base + VF index (host running as root)
 DEFAULT_MEMORY_ALLOWANCE = 1 * GiB  # engine memory limit = its VF's FB + this, unless set

@@ -64,6 +64,11 @@ def load_or_create_token(path: Path) -> bytes:
     return token
 
 
+def read_token(path: Path) -> bytes | None:
+    """The token in ``path``, or None if there is no such file (never creates one)."""
+    return _read_token(Path(path))
+
+
 def _read_token(path: Path) -> bytes | None:
     """The token in ``path``, or None if there is no such file."""
     try:

@@ -11,4 +11,7 @@ SUITES: dict[str, str] = {
     "flr": "gpuvirt.bench.flr",
     "netgpu": "gpuvirt.bench.netgpu",
     "scale": "gpuvirt.bench.scale",
+    "chaos": "gpuvirt.bench.chaos",
+    "fuzz": "gpuvirt.bench.fuzz",
 }
+LONG = ("chaos", "fuzz")  # run only when named: not part of `bench all`

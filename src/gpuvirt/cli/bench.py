@@ -10,14 +10,15 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from gpuvirt.bench import SUITES
+from gpuvirt.bench import LONG, SUITES
 from gpuvirt.bench.common import SANDBOX_ENV, Result
 from gpuvirt.cli.common import JsonOpt, console, fail, print_json
 
 
-def run_suite(name: str, quick: bool, backend: str) -> Result:
+def run_suite(name: str, quick: bool, backend: str, **knobs: float | None) -> Result:
     module = importlib.import_module(SUITES[name])
-    return module.run(quick=quick, backend=backend)
+    given = {k: v for k, v in knobs.items() if v is not None}
+    return module.run(quick=quick, backend=backend, **given)
 
 
 def result_table(r: Result) -> Table:
@@ -48,16 +49,26 @@ def bench(
             "run twice to measure what confinement costs"
         ),
     ] = None,
+    minutes: Annotated[
+        float | None, typer.Option(min=0.05, help="chaos: how long to inject faults.")
+    ] = None,
+    frames: Annotated[
+        int | None, typer.Option(min=1, help="fuzz: how many frames to send.")
+    ] = None,
 ) -> None:
     """Measure gpuvirt against baselines run side by side; ratios, not absolutes."""
     if sandbox is not None:
         os.environ[SANDBOX_ENV] = sandbox
-    names = list(SUITES) if name == "all" else [name]
+    names = [n for n in SUITES if n not in LONG] if name == "all" else [name]
     if any(n not in SUITES for n in names):
         raise fail(f"unknown benchmark {name!r}; one of: {', '.join(SUITES)}, all", 2)
+    if minutes is not None and name != "chaos":
+        raise fail(f"--minutes is for `bench chaos`, not {name!r}", 2)
+    if frames is not None and name != "fuzz":
+        raise fail(f"--frames is for `bench fuzz`, not {name!r}", 2)
     results = []
     for n in names:
-        r = run_suite(n, quick, backend)
+        r = run_suite(n, quick, backend, minutes=minutes, frames=frames)
         results.append(r)
         if json:
             print_json(r.to_json())

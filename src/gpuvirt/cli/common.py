@@ -45,7 +45,7 @@ def config_or_exit(path: Path | None, overrides: dict[str, Any] | None = None) -
 
 def admin(path: Path | None) -> AdminClient:
     cfg = config_or_exit(path)
-    return AdminClient(cfg.host.admin_address(create=False))
+    return AdminClient.of(cfg.host, create=False)
 
 
 def call(fn: Any, *args: Any) -> Any:

@@ -26,6 +26,7 @@ from gpuvirt.config.sections import (
     VFPlan,
     VFSection,
     VFSettings,
+    is_loopback,
 )  # fmt: skip
 from gpuvirt.config.sizes import MAX_SIZE, format_size, parse_size, parse_window
 from gpuvirt.defaults import (
@@ -68,7 +69,7 @@ from gpuvirt.paths import (
     default_runtime_dir,
     default_state_dir,
 )  # fmt: skip
-from gpuvirt.tokens import TOKEN_BYTES, load_or_create_token, parse_token
+from gpuvirt.tokens import TOKEN_BYTES, load_or_create_token, parse_token, read_token
 
 __all__ = [
     "ADMIN_SOCKET_NAME",
@@ -121,6 +122,7 @@ __all__ = [
     "default_runtime_dir",
     "default_state_dir",
     "format_size",
+    "is_loopback",
     "load_config",
     "load_or_create_token",
     "parse_config",
@@ -128,4 +130,5 @@ __all__ = [
     "parse_token",
     "parse_vf_settings",
     "parse_window",
+    "read_token",
 ]  # fmt: skip

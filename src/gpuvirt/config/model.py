@@ -17,6 +17,7 @@ from gpuvirt.config.sections import (
     SriovSection,
     VFPlan,
     VFSection,
+    is_loopback,
 )  # fmt: skip
 from gpuvirt.config.sizes import format_size
 from gpuvirt.config.toml import toml_str
@@ -47,6 +48,18 @@ class HostConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Self:
+        admin = self.host.admin_address(create=False)
+        if (
+            isinstance(admin, tuple)
+            and not is_loopback(admin[0])
+            and self.host.admin_token_file is None
+        ):
+            raise InvalidConfig([
+                f"host.admin = {toml_str(self.host.admin or '')}: {admin[0]} is not a "
+                "loopback address, and the admin API would be open to the network without "
+                "authentication; set host.admin_token_file (a bearer token) or listen on "
+                "127.0.0.1, [::1] or a Unix socket"
+            ])  # fmt: skip
         total = self.device.fb_total
         if total is None and self.device.backend == "emu":
             total = DEFAULT_EMU_FB_TOTAL
@@ -201,7 +214,15 @@ class HostConfig(BaseModel):
             "[host]",
             f"socket = {toml_str(str(h.socket_path(create=False)))}",
             f"admin = {toml_str(admin_text)}",
+            f"admin_token_file = {toml_str(str(h.admin_token_file))}"
+            if h.admin_token_file is not None
+            else "# admin_token_file: not set; a TCP admin address must be loopback",
             f"state_dir = {toml_str(str(h.state_path(create=False)))}",
+            f"attach_timeout_ms = {h.attach_timeout_ms}",
+            f"max_pending_attach = {h.max_pending_attach}",
+            f"max_frames_per_s = {h.max_frames_per_s}",
+            f"event_log_max = {toml_str(format_size(h.event_log_max))}",
+            f"event_log_files = {h.event_log_files}",
             *(
                 [f"socket_group = {_toml_value(h.socket_group)}"]
                 if h.socket_group is not None

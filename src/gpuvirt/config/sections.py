@@ -6,6 +6,7 @@ TOML author understands; cross-field checks live in model.py.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from dataclasses import dataclass
@@ -16,15 +17,20 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
 from gpuvirt.config.sizes import format_size, parse_size, parse_window
 from gpuvirt.defaults import (
+    DEFAULT_ATTACH_TIMEOUT_MS,
     DEFAULT_CMD_TIMEOUT_MS,
     DEFAULT_COOP_IDLE_TIMEOUT_MS,
     DEFAULT_ENGINE_NOFILE,
     DEFAULT_ENGINE_SCRATCH,
     DEFAULT_ENGINE_TASKS,
+    DEFAULT_EVENT_LOG_FILES,
+    DEFAULT_EVENT_LOG_MAX,
     DEFAULT_FULLACCESS_TIMEOUT_MS,
     DEFAULT_GUARD_FLR,
     DEFAULT_JOB_TIMEOUT_S,
     DEFAULT_KERNEL_SCRATCH,
+    DEFAULT_MAX_FRAMES_PER_S,
+    DEFAULT_MAX_PENDING_ATTACH,
     DEFAULT_MEMORY_ALLOWANCE,
     DEFAULT_PF_FB,
     DEFAULT_POLICY,
@@ -136,6 +142,16 @@ def parse_admin(text: str) -> Path | tuple[str, int]:
     return host, int(port_text)
 
 
+def is_loopback(host: str) -> bool:
+    """Only an address the kernel keeps on this machine; a name other than localhost is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _window_text(value: str) -> str:
     parse_window(value)
     return value
@@ -170,7 +186,14 @@ class HostSection(BaseModel):
 
     socket: AbsPath | None = None
     admin: Annotated[str, BeforeValidator(_admin_text)] | None = None
+    # Bearer token for a TCP admin address (created if missing); required off loopback.
+    admin_token_file: AbsPath | None = None
     state_dir: AbsPath | None = None
+    attach_timeout_ms: Annotated[int, _in_range(1, 60_000)] = DEFAULT_ATTACH_TIMEOUT_MS
+    max_pending_attach: Annotated[int, _in_range(1, 65_536)] = DEFAULT_MAX_PENDING_ATTACH
+    max_frames_per_s: Annotated[int, _in_range(1, 10_000_000)] = DEFAULT_MAX_FRAMES_PER_S
+    event_log_max: NonZeroSize = DEFAULT_EVENT_LOG_MAX
+    event_log_files: Annotated[int, _in_range(1, 100)] = DEFAULT_EVENT_LOG_FILES
     # Group (name or gid) that owns the mailbox socket, so tenants who are ordinary
     # users can attach to a root host; socket_mode is its mode (no bits for others
     # unless set here).

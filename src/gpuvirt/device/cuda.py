@@ -56,7 +56,7 @@ from gpuvirt.device.base import (
 from gpuvirt.device.budget import EngineMemory, context_cost, fb_room
 from gpuvirt.device.ctl import CTL_FAIL, CTL_WAKE
 from gpuvirt.device.faults import FAULT_ENV, StartFaults
-from gpuvirt.device.memfd import punch_hole
+from gpuvirt.device.memfd import punch_hole, sealed_memfd
 from gpuvirt.device.process import ProcessEngine
 from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.spare import ANY, SPARE, Spares
@@ -363,8 +363,8 @@ class CudaDevice(Device):
         return self.memory
 
     def create_fb(self, vf: int, size: int) -> int:
-        fd = os.memfd_create(f"gpuvirt-vf{vf}-aperture", os.MFD_CLOEXEC)
-        os.ftruncate(fd, APERTURE_SIZE)  # sparse until the engine pins the staging area
+        # sparse until the engine pins the staging area
+        fd = sealed_memfd(f"gpuvirt-vf{vf}-aperture", APERTURE_SIZE)
         self._apertures[vf] = (fd, size)
         return fd
 

@@ -24,7 +24,7 @@ from gpuvirt.device.base import (
     Watchdog,
 )
 from gpuvirt.device.faults import FAULT_ENV, StartFaults
-from gpuvirt.device.memfd import punch_hole
+from gpuvirt.device.memfd import punch_hole, sealed_memfd
 from gpuvirt.device.process import ProcessEngine
 from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.spare import ANY, SPARE, Spares
@@ -139,8 +139,7 @@ class EmuDevice(Device):
         return None
 
     def create_fb(self, vf: int, size: int) -> int:
-        fd = os.memfd_create(f"gpuvirt-vf{vf}-fb", os.MFD_CLOEXEC)
-        os.ftruncate(fd, size)  # sparse: costs memory only where touched
+        fd = sealed_memfd(f"gpuvirt-vf{vf}-fb", size)  # sparse: costs memory only where touched
         self._fbs[vf] = (fd, size)
         return fd
 

@@ -9,8 +9,9 @@ platform we run on. Words 0..63 are written by the engine, 64..127 by the host.
 from __future__ import annotations
 
 import mmap
-import os
 from enum import IntEnum
+
+from gpuvirt.device.memfd import sealed_memfd
 
 STATUS_SIZE = 4096
 MAGIC = 0x47505556_53544154  # "GPUVSTAT"
@@ -45,9 +46,7 @@ class StatusArea:
 
     @staticmethod
     def create(name: str) -> int:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        os.ftruncate(fd, STATUS_SIZE)
-        return fd
+        return sealed_memfd(name, STATUS_SIZE)  # the engine holds it too
 
     def __getitem__(self, word: Word) -> int:
         return self.words[word]

@@ -75,14 +75,16 @@ _REFUSALS = {
     FailReason.BAD_ATTACH: "the host did not understand the ATTACH frame",
     FailReason.BAD_STATE: "the VF is not in a state that allows this now (being reset or "
     "re-initialized?); retry once it is ready",
+    FailReason.TOO_MANY: "the host has too many connections waiting to attach; try again",
 }
 
 
 def _reason(frame: Frame) -> str:
     try:
-        return _REFUSALS[FailReason(frame.dw1)]
-    except (ValueError, KeyError):
+        reason = FailReason(frame.dw1)
+    except ValueError:
         return f"refused (code 0x{frame.dw1:x})"
+    return _REFUSALS.get(reason, f"refused ({reason.name})")
 
 
 class Gpu:

@@ -10,30 +10,59 @@
 
 One request per connection (Connection: close): the clients are the CLI, curl
 and a Prometheus scraper, none of which needs more.
+
+Who may call: on a Unix socket, whoever the socket's mode lets connect; on TCP,
+the address must be loopback unless `host.admin_token_file` is set, and with a
+token every TCP request needs `Authorization: Bearer <token>` (else 401). Every
+mutating call is an event naming its caller (uid from SO_PEERCRED on the Unix
+socket, the peer address on TCP). Long-polls (`/events?wait=`) wait on the loop
+and hold no thread, so they never delay the FLRs that the executor runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import math
 import os
+import socket
+import struct
 from dataclasses import asdict
 from http import HTTPStatus
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from gpuvirt.config import parse_vf_settings
+from gpuvirt.config import VFSettings, parse_vf_settings
 from gpuvirt.errors import ConfigError, GpuvirtError
-from gpuvirt.host.events import Category
-from gpuvirt.host.reconfig import set_vf
-
-if TYPE_CHECKING:
-    from gpuvirt.host.daemon import Host
+from gpuvirt.host.events import Category, EventLog
+from gpuvirt.host.vfmgr import VF
 
 MAX_REQUEST = 16 * 1024
+MAX_CLIENTS = 64  # requests in flight; more get 503 rather than host memory
+MAX_WAIT_S = 30.0
 ACTIONS = ("enable", "disable", "reset", "clear-fb", "clear-guard")
+
+
+class AdminHost(Protocol):
+    """Everything the admin endpoint may touch on the host."""
+
+    events: EventLog
+
+    def status(self) -> dict[str, Any]: ...
+    def sched_view(self, latencies: bool) -> dict[str, Any]: ...
+    def metrics(self) -> tuple[bytes, str]: ...
+    def find_vf(self, index: int) -> VF | None: ...
+    def vf_count(self) -> int: ...
+    def vf_status(self, vf: VF) -> dict[str, Any]: ...
+    async def enable(self, vf: VF) -> None: ...
+    async def disable(self, vf: VF) -> None: ...
+    async def reset_vf(self, vf: VF, reason: str) -> None: ...
+    async def clear_fb(self, vf: VF) -> None: ...
+    async def clear_guard(self, vf: VF) -> None: ...
+    async def set_vf(self, vf: VF, settings: VFSettings, caller: str) -> None: ...
 
 
 class HttpError(Exception):
@@ -43,12 +72,17 @@ class HttpError(Exception):
 
 
 class AdminServer:
-    def __init__(self, host: Host) -> None:
+    def __init__(
+        self, host: AdminHost, address: Path | tuple[str, int], token: bytes | None
+    ) -> None:
         self.host = host
-        self.address = host.admin_address
+        self.address = address
         self.where = (
             str(self.address) if isinstance(self.address, Path) else "{}:{}".format(*self.address)
         )
+        # Bearer tokens are the hex of the token file's secret, like the VF tokens.
+        self._token = token.hex().encode() if token is not None else None
+        self._clients = 0
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -69,13 +103,27 @@ class AdminServer:
                 self.address.unlink()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._clients += 1
         try:
-            status, ctype, body = await self._request(reader)
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            except (
+                asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+                TimeoutError,
+            ):  # fmt: skip
+                writer.close()  # the caller went away or never sent a whole request
+                return
+            if self._clients > MAX_CLIENTS:
+                raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, "too many admin requests at once")
+            status, ctype, body = await self._request(head, reader, caller(writer))
         except HttpError as e:
             status, ctype, body = e.status, "application/json", _json({"error": str(e)})
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            writer.close()
-            return
+        except Exception as e:  # a host bug: the caller gets a 500 and the log an event
+            self.host.events.emit(Category.HOST, "bug", f"admin request failed: {e!r}", None)
+            status, ctype = HTTPStatus.INTERNAL_SERVER_ERROR, "application/json"
+            body = _json({"error": f"internal error: {e!r}"})
+        finally:
+            self._clients -= 1
         head = (
             f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -85,79 +133,99 @@ class AdminServer:
             await writer.drain()
         writer.close()
 
-    async def _request(self, reader: asyncio.StreamReader) -> tuple[HTTPStatus, str, bytes]:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    async def _request(
+        self, head: bytes, reader: asyncio.StreamReader, who: dict[str, Any]
+    ) -> tuple[HTTPStatus, str, bytes]:
         if len(head) > MAX_REQUEST:
             raise HttpError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request too large")
+        lines = head.split(b"\r\n")
         try:
-            method, target, _version = head.split(b"\r\n", 1)[0].decode("ascii").split(" ")
+            method, target, _version = lines[0].decode("ascii").split(" ")
         except (UnicodeDecodeError, ValueError):
             raise HttpError(HTTPStatus.BAD_REQUEST, "malformed request line") from None
+        if self._token is not None and "address" in who:
+            self._authenticate(lines[1:])
         url = urlsplit(target)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         parts = [p for p in url.path.split("/") if p]
         if method == "GET" and parts == ["metrics"]:
-            from gpuvirt.host.metrics import render
-
-            data, ctype = render(self.host.report, self.host.events)
+            data, ctype = self.host.metrics()
             return HTTPStatus.OK, ctype, data
         body = await _read_body(reader, head)
-        result = await self._route(method, parts, query, body)
+        result = await self._route(method, parts, query, who, body)
         return HTTPStatus.OK, "application/json", _json(result)
 
+    def _authenticate(self, headers: list[bytes]) -> None:
+        assert self._token is not None
+        for line in headers:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"authorization":
+                scheme, _, given = value.strip().partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._token):
+                    return
+                break
+        raise HttpError(
+            HTTPStatus.UNAUTHORIZED,
+            "missing or wrong bearer token (Authorization: Bearer <the hex in "
+            "host.admin_token_file>)",
+        )
+
     async def _route(
-        self, method: str, parts: list[str], query: dict[str, str], body: bytes = b""
+        self,
+        method: str,
+        parts: list[str],
+        query: dict[str, str],
+        who: dict[str, Any],
+        body: bytes = b"",
     ) -> Any:
         host = self.host
         if method == "GET" and parts == ["status"]:
             return host.status()
         if method == "GET" and parts == ["sched"]:
-            snap = host.sched.snapshot()
-            if query.get("latencies"):
-                snap["latencies_ns"] = list(host.sched.stats.latencies_ns)
-                snap["commands_ns"] = {k: list(v) for k, v in host.sched.stats.commands_ns.items()}
-            return snap
+            return host.sched_view(bool(query.get("latencies")))
         if method == "GET" and parts == ["events"]:
             after = _int(query, "after", 0)
             vf = _int(query, "vf", None)
-            wait = min(float(query.get("wait", 0) or 0), 30.0)
+            wait = _wait(query)
             if wait > 0 and host.events.last_seq <= after:
-                await asyncio.to_thread(host.events.wait, after, wait)
+                await host.events.wait_async(after, wait)
             return [asdict(e) for e in host.events.since(after, vf, _int(query, "limit", 1000))]
         if len(parts) >= 2 and parts[0] == "vf":
             vf = self._vf(parts[1])
             if method == "GET" and len(parts) == 2:
                 return host.vf_status(vf)
             if method == "POST" and parts[2:] == ["set"]:
-                return await self._set(vf, body)
+                return await self._set(vf, body, who)
             if method == "POST" and len(parts) == 3:
-                return await self._action(vf, parts[2])
+                return await self._action(vf, parts[2], who)
         raise HttpError(HTTPStatus.NOT_FOUND, f"no such endpoint: {method} /{'/'.join(parts)}")
 
-    def _vf(self, text: str):
-        try:
-            index = int(text)
-            return self.host.vfm[index]
-        except (ValueError, IndexError):
+    def _vf(self, text: str) -> VF:
+        vf = self.host.find_vf(int(text)) if text.isascii() and text.isdigit() else None
+        if vf is None:
             raise HttpError(
                 HTTPStatus.NOT_FOUND,
-                f"no VF {text!r}: this host has VFs 0..{len(self.host.vfm) - 1}",
-            ) from None
+                f"no VF {text!r}: this host has VFs 0..{self.host.vf_count() - 1}",
+            )
+        return vf
 
-    async def _action(self, vf: Any, action: str) -> Any:
+    async def _action(self, vf: VF, action: str, who: dict[str, Any]) -> Any:
         host = self.host
         if action not in ACTIONS:
             raise HttpError(
                 HTTPStatus.NOT_FOUND, f"unknown action {action!r}; one of {', '.join(ACTIONS)}"
             )
-        host.events.emit(Category.ADMIN, action, f"admin: {action} VF{vf.index}", vf.index)
+        host.events.emit(
+            Category.ADMIN, action, f"admin ({_by(who)}): {action} VF{vf.index}", vf.index,
+            caller=who,
+        )  # fmt: skip
         try:
             if action == "enable":
                 await host.enable(vf)
             elif action == "disable":
                 await host.disable(vf)
             elif action == "reset":
-                await host.resetter.flr(vf, "admin")
+                await host.reset_vf(vf, "admin")
             elif action == "clear-fb":
                 await host.clear_fb(vf)
             else:
@@ -166,14 +234,14 @@ class AdminServer:
             raise HttpError(HTTPStatus.CONFLICT, str(e)) from None
         return host.vf_status(vf)
 
-    async def _set(self, vf: Any, body: bytes) -> Any:
+    async def _set(self, vf: VF, body: bytes, who: dict[str, Any]) -> Any:
         where = f"POST /vf/{vf.index}/set"
         try:
             data = json.loads(body or b"{}")
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
             raise HttpError(HTTPStatus.BAD_REQUEST, f"{where}: the body is not JSON: {e}") from None
         try:
-            await set_vf(self.host, vf, parse_vf_settings(data, where))
+            await self.host.set_vf(vf, parse_vf_settings(data, where), f"admin ({_by(who)})")
         except ConfigError as e:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(e)) from None
         except GpuvirtError as e:
@@ -205,6 +273,35 @@ async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
 
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, default=str).encode()
+
+
+def _by(who: dict[str, Any]) -> str:
+    return f"uid {who['uid']}" if "uid" in who else who.get("address", "?")
+
+
+def caller(writer: asyncio.StreamWriter) -> dict[str, Any]:
+    """Who is calling: uid/pid from SO_PEERCRED on a Unix socket, the address on TCP."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        pid, uid, gid = struct.unpack(
+            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
+        return {"uid": uid, "gid": gid, "pid": pid}
+    peer = writer.get_extra_info("peername")
+    return {"address": f"{peer[0]}:{peer[1]}" if peer else "?"}
+
+
+def _wait(query: dict[str, str]) -> float:
+    text = query.get("wait", "0") or "0"
+    try:
+        wait = float(text)
+    except ValueError:
+        wait = math.nan
+    if not math.isfinite(wait) or wait < 0:
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST, f"wait={text!r}: must be a number of seconds, 0 or more"
+        )
+    return min(wait, MAX_WAIT_S)
 
 
 def _int(query: dict[str, str], key: str, default: int | None) -> Any:

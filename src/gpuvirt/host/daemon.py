@@ -23,15 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from gpuvirt import config as C
-from gpuvirt.config import HostConfig, load_or_create_token
+from gpuvirt.config import HostConfig, VFSettings, load_or_create_token
 from gpuvirt.device import make_device
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.errors import DeviceError
 from gpuvirt.host.confinement import sandbox_settings, secure_socket
 from gpuvirt.host.events import Category, EventLog
-from gpuvirt.host.mailbox import Session
+from gpuvirt.host.mailbox import Limits, MailboxServer
 from gpuvirt.host.policy import Policy
+from gpuvirt.host.reconfig import set_vf
 from gpuvirt.host.reset import Resetter
 from gpuvirt.host.sched import Scheduler, raise_priority
 from gpuvirt.host.status import StatusReport
@@ -58,7 +59,11 @@ class Host:
         self.socket_path = config.host.socket_path()
         self.admin_address = config.host.admin_address()
         self.state_dir = config.host.state_path()
-        self.events = EventLog(self.state_dir / "events.jsonl")
+        self.events = EventLog(
+            self.state_dir / "events.jsonl",
+            max_bytes=config.host.event_log_max,
+            files=config.host.event_log_files,
+        )
         self.sandbox = Sandbox.create(sandbox_settings(config))
         self.device = make_device(
             config.device.backend, self.sandbox, config.device.kernel_scratch
@@ -90,7 +95,10 @@ class Host:
         # GIM grants full access to one VF at a time; the others queue here.
         self._fullaccess = asyncio.Lock()
         self._fullaccess_vf: int | None = None
-        self._servers: list[socket.socket] = []
+        self.mailbox = MailboxServer(
+            self, self.socket_path, Limits.of(config.host),
+            lambda path: secure_socket(path, config.host),
+        )  # fmt: skip
         self._stop = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -120,8 +128,10 @@ class Host:
             **self.sandbox.report.as_dict(),
         )  # fmt: skip
         await asyncio.gather(*(self.enable(vf) for vf in self.vfm.vfs))
-        self._servers.append(self._listen_mailbox())
-        self.admin = AdminServer(self)
+        self.mailbox.listen()
+        token_file = self.config.host.admin_token_file
+        token = load_or_create_token(token_file) if token_file is not None else None
+        self.admin = AdminServer(self, self.admin_address, token)
         await self.admin.start()
         self.report.admin_where = self.admin.where
         self.spawn(self.report.sample_shares())
@@ -131,26 +141,6 @@ class Host:
             f"{self.sched.priority}, loop at {self.loop_priority}", None,
         )  # fmt: skip
 
-    def _listen_mailbox(self) -> socket.socket:
-        path = self.socket_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a stale socket of a host that is gone (start() checked)
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(str(path))
-        secure_socket(path, self.config.host)
-        srv.listen(64)
-        srv.setblocking(False)
-        self.spawn(self._accept(srv))
-        return srv
-
-    async def _accept(self, srv: socket.socket) -> None:
-        assert self.loop is not None
-        while True:
-            conn, _ = await self.loop.sock_accept(srv)
-            conn.setblocking(False)
-            self.spawn(Session(self, conn).run())
-
     async def serve_forever(self) -> None:
         assert self.loop is not None
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -158,10 +148,7 @@ class Host:
         await self._stop.wait()
 
     async def stop(self) -> None:
-        for srv in self._servers:
-            srv.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
+        self.mailbox.close()
         await self.admin.stop()
         for vf in self.vfm.vfs:
             if vf.conn is not None:
@@ -193,6 +180,37 @@ class Host:
             self.events.emit(Category.HOST, "bug", f"host task failed: {exc!r}", None)
             if self.loop is not None:
                 self.loop.call_exception_handler({"message": "host task failed", "exception": exc})
+
+    # ---- what the mailbox and the admin endpoint reach (their Protocols) --------------
+
+    def find_vf(self, index: int) -> VF | None:
+        return self.vfm[index] if 0 <= index < len(self.vfm) else None
+
+    def guest_fds(self, vf: VF) -> list[int]:
+        return self.device.guest_fds(vf.index)
+
+    def vf_count(self) -> int:
+        return len(self.vfm)
+
+    async def reset_vf(self, vf: VF, reason: str) -> None:
+        await self.resetter.flr(vf, reason)
+
+    def sched_view(self, latencies: bool) -> dict[str, Any]:
+        snap = self.sched.snapshot()
+        if latencies:
+            snap["latencies_ns"] = list(self.sched.stats.latencies_ns)
+            snap["commands_ns"] = {k: list(v) for k, v in self.sched.stats.commands_ns.items()}
+        return snap
+
+    def metrics(self) -> tuple[bytes, str]:
+        from gpuvirt.host.metrics import render  # prometheus_client: only when scraped
+
+        return render(self.report, self.events)
+
+    async def set_vf(self, vf: VF, settings: VFSettings, caller: str) -> None:
+        """`vf set` (host/reconfig.py): ConfigError a value that does not fit, DeviceError
+        a state that forbids it now."""
+        await set_vf(self, vf, settings, caller)
 
     # ---- engines and the schedule ----------------------------------------------------
 

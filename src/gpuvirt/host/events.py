@@ -4,10 +4,19 @@ Each event is one JSON line appended to <state_dir>/events.jsonl and kept in a
 bounded in-memory ring for the admin endpoint. Events are emitted from the
 asyncio loop and from the scheduler thread, hence the lock (host-internal only;
 no engine or guest ever touches it).
+
+Guests can make the host emit events (refusals, LOG_VF_ERROR), so nothing here
+may grow with what they send: the file is rotated at `max_bytes` (events.jsonl.1
+.. .N kept), and reset and guard events live in a ring of their own per VF, so
+a flood of other events, or another VF's resets, never pushes a VF's FLR
+history out.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import heapq
 import json
 import os
 import threading
@@ -43,18 +52,48 @@ class Event:
         return json.dumps(asdict(self), separators=(",", ":"))
 
 
+HISTORY = (Category.RESET, Category.GUARD)  # kept per VF, apart from the common ring
+HISTORY_KEEP = 512  # per VF: a few hundred FLRs at ~10 events each
+
+
 class EventLog:
-    def __init__(self, path: Path | None, keep: int = 4096) -> None:
+    def __init__(
+        self,
+        path: Path | None,
+        keep: int = 4096,
+        max_bytes: int = 16 << 20,
+        files: int = 4,
+    ) -> None:
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._ring: deque[Event] = deque(maxlen=keep)
+        self._history: dict[int | None, deque[Event]] = {}
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._seq = 0
         self._file = None
+        self.max_bytes, self.files = max_bytes, files
+        self.path = path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-            os.chmod(path, 0o640)
-        self.path = path
+            self._open()
+
+    def _open(self) -> None:
+        assert self.path is not None
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        os.chmod(self.path, 0o640)
+        self._size = self._file.tell()
+
+    def _rotate(self) -> None:
+        """events.jsonl -> .1 -> .2 ... -> .N (dropped); a fresh events.jsonl."""
+        assert self._file is not None and self.path is not None
+        self._file.close()
+        for n in range(self.files, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{n}")
+            newer = self.path.with_name(f"{self.path.name}.{n - 1}") if n > 1 else self.path
+            if n == self.files:
+                older.unlink(missing_ok=True)
+            if newer.exists():
+                newer.rename(older)
+        self._open()
 
     def emit(
         self, category: Category, kind: str, message: str, vf: int | None = None, **data: Any
@@ -62,21 +101,50 @@ class EventLog:
         with self._lock:
             self._seq += 1
             ev = Event(self._seq, time.time(), str(category), kind, vf, message, data)
-            self._ring.append(ev)
+            if category in HISTORY:
+                self._history.setdefault(vf, deque(maxlen=HISTORY_KEEP)).append(ev)
+            else:
+                self._ring.append(ev)
             if self._file is not None:
-                self._file.write(ev.to_json() + "\n")
-            self._cond.notify_all()
+                line = ev.to_json() + "\n"
+                if self._size and self._size + len(line) > self.max_bytes:
+                    self._rotate()
+                self._file.write(line)
+                self._size += len(line)
+            for loop, waiter in self._waiters:
+                loop.call_soon_threadsafe(waiter.set)
         return ev
 
     def since(self, after: int = 0, vf: int | None = None, limit: int = 1000) -> list[Event]:
         with self._lock:
-            out = [e for e in self._ring if e.seq > after and (vf is None or e.vf == vf)]
+            rings = [self._ring, *self._history.values()]
+            out = [
+                e
+                for e in heapq.merge(*rings, key=lambda e: e.seq)
+                if e.seq > after and (vf is None or e.vf == vf)
+            ]
         return out[-limit:]
 
-    def wait(self, after: int, timeout: float) -> None:
-        """Block (a host thread, never the loop) until an event newer than `after` exists."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._seq > after, timeout)
+    async def wait_async(self, after: int, timeout: float) -> None:
+        """On the loop, holding no thread: until an event newer than `after` exists."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        waiter = (loop, asyncio.Event())
+        try:
+            while True:
+                with self._lock:
+                    if self._seq > after:
+                        return
+                    waiter[1].clear()
+                    self._waiters.add(waiter)
+                left = deadline - loop.time()
+                if left <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter[1].wait(), left)
+        finally:
+            with self._lock:
+                self._waiters.discard(waiter)
 
     @property
     def last_seq(self) -> int:

@@ -1,4 +1,4 @@
-"""The host end of the PF/VF mailbox: one Session per guest connection.
+"""The host end of the PF/VF mailbox: the listening socket and one Session per guest.
 
 Guest input reaches the host only here, as the 48-byte ATTACH frame and then
 16-byte frames, each decoded by protocol/mailbox.py and checked against the
@@ -6,6 +6,15 @@ VF's state before anything acts on it. Nothing a guest sends is unpickled or
 executed. A bad ATTACH gets FAIL and a closed connection; an unknown id gets
 FAIL with DW1 = the id and the connection stays up; a known id in the wrong
 state gets FAIL(BAD_STATE, DW3 = the id). A closed connection is a fini.
+
+Limits per peer (DESIGN.md, "Untrusted inputs"): at most `max_pending_attach`
+connections may be waiting to attach, each for `attach_timeout`; an attached
+guest's frames are read at most `max_frames_per_s` (beyond that the host stops
+reading, so the flood backs up in the peer's own socket); one guest-requested
+FLR at a time per VF; refusals and LOG_VF_ERROR reach the event log through a
+throttle. Requests that may wait (on FULLACCESS, on a reset) run one at a time
+in a worker per session while the reader goes on, so QUERY_ALIVE answers and
+READY_TO_RESET are seen however long a request waits.
 """
 
 from __future__ import annotations
@@ -19,9 +28,14 @@ import os
 import secrets
 import socket
 import struct
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
-from gpuvirt.host.events import Category
+from gpuvirt.config import HostSection
+from gpuvirt.host.events import Category, EventLog
+from gpuvirt.host.ratelimit import EventThrottle, TokenBucket
 from gpuvirt.host.vfmgr import VF, VFState
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.mailbox import (
@@ -38,19 +52,124 @@ from gpuvirt.protocol.mailbox import (
     query_alive,
 )
 
-if TYPE_CHECKING:
-    from gpuvirt.host.daemon import Host
-
 S = VFState
-ATTACH_TIMEOUT_S = 5.0
 _nonces = itertools.count(1)
+QUEUED_REQUESTS = 16  # per session; past this the reader waits for the worker
+READ_CHUNK = 256 * FRAME_SIZE
+EVENTS_PER_S, EVENT_BURST = 5.0, 20.0  # guest-caused events of one kind
+
+
+class MailboxHost(Protocol):
+    """Everything the mailbox may touch on the host."""
+
+    events: EventLog
+    liveness: tuple[float, float]  # QUERY_ALIVE period and timeout, seconds
+
+    def find_vf(self, index: int) -> VF | None: ...
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+    async def reset_vf(self, vf: VF, reason: str) -> None: ...
+    def write_pf2vf(self, vf: VF) -> None: ...
+    async def grant_fullaccess(self, vf: VF) -> bool: ...
+    def guest_fds(self, vf: VF) -> list[int]: ...
+    async def activate(self, vf: VF, doorbell: int) -> None: ...
+    async def suspend(self, vf: VF, reason: str) -> None: ...
+    async def guest_gone(self, vf: VF) -> None: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    attach_timeout_s: float
+    max_pending_attach: int
+    max_frames_per_s: int
+
+    @classmethod
+    def of(cls, host: HostSection) -> Limits:
+        return cls(host.attach_timeout_ms / 1000, host.max_pending_attach, host.max_frames_per_s)
+
+
+class MailboxServer:
+    """The mailbox socket: accepts connections within the limits and runs a Session each."""
+
+    def __init__(
+        self, host: MailboxHost, path: Path, limits: Limits, secure: Callable[[Path], None]
+    ) -> None:
+        """secure: gives the bound socket its group and mode (host/confinement.py)."""
+        self.host = host
+        self.path = path
+        self.limits = limits
+        self._secure = secure
+        self.pending = 0  # connections accepted and not yet attached (or refused)
+        self.refusals = EventThrottle(EVENTS_PER_S, EVENT_BURST)
+        self._sock: socket.socket | None = None
+
+    def listen(self) -> None:
+        path = self.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a stale socket of a host that is gone (the host checked)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(str(path))
+        self._secure(path)
+        srv.listen(128)
+        srv.setblocking(False)
+        self._sock = srv
+        self.host.spawn(self._accept(srv))
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _accept(self, srv: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(srv)
+            conn.setblocking(False)
+            if self.pending >= self.limits.max_pending_attach:
+                self._refuse_excess(conn)
+                continue
+            self.pending += 1
+            self.host.spawn(Session(self, conn).run())
+
+    def _refuse_excess(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.send(fail(FailReason.TOO_MANY).encode())
+        conn.close()
+        self.refused(
+            FailReason.TOO_MANY,
+            f"{self.pending} connections already waiting to attach "
+            f"(host.max_pending_attach = {self.limits.max_pending_attach})", None, None,
+        )  # fmt: skip
+
+    def refused(
+        self, reason: FailReason, why: str, vf: int | None, peer: tuple[int, int] | None
+    ) -> None:
+        """One event per refusal, up to the throttle; beyond it they are counted."""
+        dropped = self.refusals.admit()
+        if dropped is None:
+            return
+        pid, uid = peer or (None, None)
+        who = f"pid {pid} uid {uid}" if peer else "a peer"
+        self.host.events.emit(
+            Category.MAILBOX, "attach.refused", f"ATTACH from {who} refused: {why}", vf,
+            reason=reason.name, pid=pid, uid=uid, suppressed=dropped,
+        )  # fmt: skip
+
+
+async def recv_some(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    """Up to n bytes; b"" once the peer closed, however it closed (a reset included)."""
+    try:
+        return await loop.sock_recv(sock, n)
+    except OSError:
+        return b""
 
 
 async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
     """Exactly n bytes, or fewer if the peer closed first."""
     buf = bytearray()
     while len(buf) < n:
-        chunk = await loop.sock_recv(sock, n - len(buf))
+        chunk = await recv_some(loop, sock, n - len(buf))
         if not chunk:
             break
         buf += chunk
@@ -58,8 +177,9 @@ async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: in
 
 
 class Session:
-    def __init__(self, host: Host, sock: socket.socket) -> None:
-        self.host = host
+    def __init__(self, server: MailboxServer, sock: socket.socket) -> None:
+        self.server = server
+        self.host = server.host
         self.sock = sock
         self.vf: VF | None = None
         self.ready_to_reset = asyncio.Event()
@@ -71,6 +191,9 @@ class Session:
         self._alive = asyncio.Event()
         self._closed = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._flr: asyncio.Task[Any] | None = None
+        self._vf_errors = EventThrottle(EVENTS_PER_S, EVENT_BURST)
+        self._throttled = EventThrottle(1.0, 1.0)
 
     # ---- sending ---------------------------------------------------------------------
 
@@ -83,7 +206,14 @@ class Session:
             anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         try:
             self.sock.sendmsg([frame.encode()], anc)
-        except (BlockingIOError, OSError):
+        except OSError as e:
+            if isinstance(e, BlockingIOError) and self.vf is not None:  # once: closed now
+                self.host.events.emit(
+                    Category.MAILBOX, "guest.dropped",
+                    f"guest pid {self.peer_pid} dropped: a reply could not be sent "
+                    f"({e.strerror or e}; a guest must read what the host sends)",
+                    self.vf.index,
+                )  # fmt: skip
             self.close()
             return False
         return True
@@ -99,7 +229,11 @@ class Session:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            if await self._attach(loop):
+            try:
+                attached = await self._attach(loop)
+            finally:
+                self.server.pending -= 1
+            if attached:
                 await self._serve(loop)
         finally:
             self._closed = True
@@ -116,17 +250,21 @@ class Session:
         host = self.host
         try:
             data = await asyncio.wait_for(
-                recv_exact(loop, self.sock, ATTACH_SIZE), ATTACH_TIMEOUT_S
+                recv_exact(loop, self.sock, ATTACH_SIZE), self.server.limits.attach_timeout_s
             )
         except TimeoutError:
-            data = b""
+            return self._refuse(
+                FailReason.BAD_ATTACH,
+                f"no ATTACH within {self.server.limits.attach_timeout_s:g} s "
+                "(host.attach_timeout_ms)", None,
+            )  # fmt: skip
         try:
             att = Attach.decode(data)
         except ProtocolError as e:
             return self._refuse(FailReason.BAD_ATTACH, f"malformed ATTACH: {e}", None)
-        if att.vf >= len(host.vfm):
+        vf = host.find_vf(att.vf)
+        if vf is None:
             return self._refuse(FailReason.BAD_VF, f"VF{att.vf} does not exist", att.vf)
-        vf = host.vfm[att.vf]
         if not hmac.compare_digest(att.token, vf.token):
             return self._refuse(FailReason.BAD_TOKEN, "wrong token", att.vf)
         uids = vf.plan.allowed_uids
@@ -151,44 +289,83 @@ class Session:
         return True
 
     def _refuse(self, reason: FailReason, why: str, vf: int | None) -> bool:
-        self.host.events.emit(
-            Category.MAILBOX, "attach.refused",
-            f"ATTACH from pid {self.peer_pid} uid {self.peer_uid} refused: {why}", vf,
-            reason=reason.name, pid=self.peer_pid, uid=self.peer_uid,
-        )  # fmt: skip
+        self.server.refused(reason, why, vf, (self.peer_pid, self.peer_uid))
         self.send(fail(reason))
         return False
 
     async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
-        while not self._closed:
-            data = await recv_exact(loop, self.sock, FRAME_SIZE)
-            if len(data) < FRAME_SIZE:
-                return  # closed, possibly mid-frame: either way a fini
-            frame = Frame.decode(data)
-            if is_alive_reply(frame):
-                if frame.dw1 == self._alive_nonce:
-                    self._alive.set()
-                continue
-            msg = classify_guest(frame)
-            if msg is None:
-                self.send(fail(frame.msg, unknown=True))
-                continue
-            await self._handle(msg, frame)
+        requests: asyncio.Queue[tuple[GuestMsg, Frame] | None] = asyncio.Queue(QUEUED_REQUESTS)
+        worker = asyncio.create_task(self._work(requests))
+        self._tasks.append(worker)  # cancelled with the session if the host stops
+        bucket = TokenBucket(self.server.limits.max_frames_per_s)
+        buf = bytearray()
+        try:
+            while not self._closed:
+                if (wait := bucket.wait_s()) > 0:
+                    self._note_throttled()
+                    await asyncio.sleep(wait)  # the frame-rate limit itself
+                room = int(bucket.available()) * FRAME_SIZE - len(buf)
+                chunk = await recv_some(loop, self.sock, max(FRAME_SIZE, min(READ_CHUNK, room)))
+                if not chunk:
+                    return  # closed, possibly mid-frame: either way a fini
+                buf += chunk
+                whole = len(buf) - len(buf) % FRAME_SIZE
+                bucket.spend(whole // FRAME_SIZE)
+                for at in range(0, whole, FRAME_SIZE):
+                    await self._frame(Frame.decode(bytes(buf[at : at + FRAME_SIZE])), requests)
+                del buf[:whole]
+        finally:
+            while not requests.empty():
+                requests.get_nowait()  # a closed connection's queued requests are void
+            requests.put_nowait(None)
+            await worker
+
+    async def _frame(
+        self, frame: Frame, requests: asyncio.Queue[tuple[GuestMsg, Frame] | None]
+    ) -> None:
+        """Answers that cannot wait are handled here; requests go to the worker in order."""
+        if is_alive_reply(frame):
+            if frame.dw1 == self._alive_nonce:
+                self._alive.set()
+            return
+        msg = classify_guest(frame)
+        vf = self.vf
+        assert vf is not None
+        if msg is None:
+            self.send(fail(frame.msg, unknown=True))
+        elif msg == GuestMsg.READY_TO_RESET:
+            self.ready_to_reset.set()
+        elif msg == GuestMsg.LOG_VF_ERROR:
+            if (dropped := self._vf_errors.admit()) is not None:
+                self.host.events.emit(
+                    Category.MAILBOX, "vf_error", f"guest reports error 0x{frame.dw1:x}",
+                    vf.index, code=frame.dw1, data=[frame.dw2, frame.dw3], suppressed=dropped,
+                )  # fmt: skip
+        elif msg == GuestMsg.REQ_GPU_RESET_ACCESS:
+            if self._flr is None or self._flr.done():  # one pending FLR per VF; more join it
+                self._flr = self.host.spawn(self.host.reset_vf(vf, "guest_request"))
+        else:
+            await requests.put((msg, frame))
+
+    async def _work(self, requests: asyncio.Queue[tuple[GuestMsg, Frame] | None]) -> None:
+        while (item := await requests.get()) is not None:
+            if not self._closed:
+                await self._handle(*item)
+
+    def _note_throttled(self) -> None:
+        if (dropped := self._throttled.admit()) is not None and self.vf is not None:
+            self.host.events.emit(
+                Category.MAILBOX, "throttled",
+                f"guest pid {self.peer_pid} sends more than "
+                f"{self.server.limits.max_frames_per_s} frames/s (host.max_frames_per_s); "
+                "reading slowed", self.vf.index, suppressed=dropped,
+            )  # fmt: skip
 
     async def _handle(self, msg: GuestMsg, frame: Frame) -> None:
         host, vf = self.host, self.vf
         assert vf is not None
         G = GuestMsg
-        if msg == G.READY_TO_RESET:
-            self.ready_to_reset.set()
-        elif msg == G.LOG_VF_ERROR:
-            host.events.emit(
-                Category.MAILBOX, "vf_error", f"guest reports error 0x{frame.dw1:x}", vf.index,
-                code=frame.dw1, data=[frame.dw2, frame.dw3],
-            )  # fmt: skip
-        elif msg == G.REQ_GPU_RESET_ACCESS:
-            host.spawn(host.resetter.flr(vf, "guest_request"))
-        elif msg == G.REQ_GPU_INIT_DATA and vf.state == S.AVAIL:
+        if msg == G.REQ_GPU_INIT_DATA and vf.state == S.AVAIL:
             host.write_pf2vf(vf)
             self.send(Frame(HostMsg.GPU_INIT_DATA_READY))
         elif msg == G.REQ_GPU_INIT_ACCESS and vf.state == S.AVAIL:
@@ -223,7 +400,7 @@ class Session:
             vf.engine.attach_guest(cmd_engine.fileno())
             self._close_doorbell()
             self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            fds = [*host.device.guest_fds(vf.index), cmd_guest.fileno(), self.doorbell]
+            fds = [*host.guest_fds(vf), cmd_guest.fileno(), self.doorbell]
             self.send(
                 Frame(HostMsg.READY_TO_ACCESS_GPU, vf.fb >> 20, vf.checksum_key, len(fds)), fds
             )

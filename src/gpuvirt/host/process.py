@@ -33,7 +33,7 @@ class HostProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.log = workdir / "host.log"
         self.socket = config.host.socket_path()
-        self.admin = AdminClient(config.host.admin_address())
+        self.admin = AdminClient.of(config.host)
 
     def start(self, timeout: float = 120.0) -> HostProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -106,6 +106,7 @@ class FailReason(IntEnum):
     QUARANTINED = 0x1006
     BAD_STATE = 0x1007
     BAD_ATTACH = 0x1008
+    TOO_MANY = 0x1009  # too many connections waiting to attach; try again later
 
 
 @dataclass(frozen=True)

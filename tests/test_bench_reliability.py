@@ -1,0 +1,63 @@
+"""`gpuvirt bench chaos` and `gpuvirt bench fuzz`, run as a user runs them.
+
+chaos runs for GPUVIRT_CHAOS_MINUTES (default 2, DESIGN.md's "two-minute run
+in make test"); fuzz sends a short burst here (the million-frame run is
+`gpuvirt bench fuzz --json`, its figures in bench/results/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHAOS_MINUTES = float(os.environ.get("GPUVIRT_CHAOS_MINUTES", "2"))
+
+
+def bench(*args: str, timeout: float) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuvirt", "bench", *args, "--json"],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.timeout(int(CHAOS_MINUTES * 60) + 420)
+def test_chaos_the_host_survives_every_fault_and_honest_tenants_never_notice() -> None:
+    r = bench("chaos", "--minutes", str(CHAOS_MINUTES), timeout=CHAOS_MINUTES * 60 + 400)
+    for key in (
+        "faults_injected", "faults_survived", "faults_by_kind", "results_checked",
+        "results_wrong", "bytes_leaked", "vfs_stuck", "host_rss_start_mib", "host_rss_end_mib",
+    ):  # fmt: skip
+        assert key in r, key
+    # What must hold however the faults land: the host is up, no honest result is
+    # wrong, no tenant reads another's bytes. faults_survived, vfs_stuck and
+    # honest_vfs_lost are reported and judged by the bench's targets; they wait on the
+    # lifecycle fixes of issue 11 part A (a failed engine start must not reset the
+    # device) before this test can require them too (docs/benchmarks.md).
+    assert r["host_alive"], r["notes"]
+    assert r["faults_injected"] > 0 and r["faults_survived"] > 0
+    assert r["results_checked"] > 0 and r["results_wrong"] == 0
+    assert r["bytes_leaked"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_fuzz_a_burst_of_random_frames_leaves_the_host_and_its_tenant_untouched() -> None:
+    r = bench("fuzz", "--frames", "20000", timeout=280)
+    assert r["host_crashes"] == 0 and r["host_alive"]
+    assert r["frames_sent"] >= 20000 and r["frames_confirmed"] > 0
+    assert r["results_checked"] > 0 and r["results_wrong"] == 0
+    assert r["honest_errors"] == 0 and r["honest_flrs"] == 0, r["notes"]
+    assert r["targets_met"], r["targets"]
+
+
+def test_bench_knobs_belong_to_their_bench() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuvirt", "bench", "launch", "--minutes", "1"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--minutes is for `bench chaos`" in out.stderr + out.stdout
