@@ -252,14 +252,12 @@ class Engined:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         if self.cgroup is not None:
-            try:
+            # No descriptor to be had (EMFILE) for the group's files: the SIGKILL above
+            # ends the sandbox and its pid namespace, and with it everything in the group
+            # (the engine can start no process). A kill must not fail, or the VF it
+            # belongs to would stay RESETTING.
+            with contextlib.suppress(OSError):
                 self.cgroup.kill()
-            except OSError:
-                # No descriptor to be had (EMFILE) for the group's files: the SIGKILL
-                # above ends the sandbox and its pid namespace, and with it everything in
-                # the group (the engine can start no process). A kill must not fail, or
-                # the VF it belongs to would stay RESETTING.
-                pass
         code = self.popen.wait()
         if self.cgroup is not None:
             self.cgroup.remove()
