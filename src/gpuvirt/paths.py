@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import stat
 import tomllib
 from pathlib import Path
@@ -154,3 +155,16 @@ def mailbox_socket() -> Path:
         if socket is not None:
             raise ConfigError(f"config file {path}: host.socket = {socket!r}: not an absolute path")
     return default_runtime_dir(create=False) / SOCKET_NAME
+
+
+def socket_served(path: Path) -> bool:
+    """Whether something listens on the Unix socket at ``path`` now (a stale socket file
+    of a process that is gone refuses the connection)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import mmap
 import os
 import signal
-import socket
 import sys
-import time
-import uuid
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -30,6 +26,7 @@ from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.errors import DeviceError
 from gpuvirt.host.confinement import sandbox_settings, secure_socket
 from gpuvirt.host.events import Category, EventLog
+from gpuvirt.host.infoblocks import InfoBlocks
 from gpuvirt.host.mailbox import Limits, MailboxServer
 from gpuvirt.host.policy import Policy
 from gpuvirt.host.reconfig import set_vf
@@ -37,15 +34,7 @@ from gpuvirt.host.reset import Resetter
 from gpuvirt.host.sched import Scheduler, raise_priority
 from gpuvirt.host.status import StatusReport
 from gpuvirt.host.vfmgr import VF, Action, VFEvent, VFManager, VFState
-from gpuvirt.protocol.errors import ProtocolError
-from gpuvirt.protocol.info import (
-    BLOCK_SIZE,
-    PF2VF,
-    PF2VF_OFFSET,
-    RESERVED_SIZE,
-    VF2PF,
-    VF2PF_OFFSET,
-)
+from gpuvirt.paths import socket_served
 
 S, E = VFState, VFEvent
 ENGINE_START_TRIES = 3  # an OSError (EMFILE, fork failure) may clear; then the VF fails
@@ -86,10 +75,11 @@ class Host:
         self.liveness = (C.LIVENESS_INTERVAL_S, C.LIVENESS_TIMEOUT_S)
         self.report = StatusReport(
             config, self.vfm, self.sched, self.device, self.resetter.guard,
-            lambda index: index in self._info, self.sandbox.report,
+            lambda index: index in self.info, self.sandbox.report,
         )  # fmt: skip
-        self.uuids = {vf.index: uuid.uuid4().bytes for vf in self.vfm.vfs}
-        self._info: dict[int, mmap.mmap] = {}
+        self.info = InfoBlocks(
+            self.events, self.device.feature_flags, config.scheduler.time_slice_ms
+        )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._grants: dict[int, int] = {}
         # GIM grants full access to one VF at a time; the others queue here.
@@ -161,8 +151,7 @@ class Host:
             if vf.engine is not None:
                 vf.engine.kill()
                 vf.engine = None
-        for m in self._info.values():
-            m.close()
+        self.info.close()
         self.device.close()
         self.events.emit(Category.HOST, "stop", "host stopped", None)
         self.events.close()
@@ -254,13 +243,11 @@ class Host:
     def renew_fb(self, vf: VF, size: int | None = None) -> None:
         """Scrub the FB and hand the next tenant a fresh one (see Device.renew_fb). On an
         OSError the VF has no FB any more, and the next renewal creates one."""
-        info = self._info.pop(vf.index, None)
-        if info is None:
-            fd = self.device.create_fb(vf.index, vf.fb if size is None else size)
-        else:
-            info.close()
+        if self.info.unmap(vf):
             fd = self.device.renew_fb(vf.index, size)
-        self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
+        else:
+            fd = self.device.create_fb(vf.index, vf.fb if size is None else size)
+        self.info.map(vf, fd)
 
     async def kill_engine(self, vf: VF) -> None:
         if vf.engine is not None:
@@ -289,8 +276,7 @@ class Host:
             if vf.state != S.UNAVAIL:
                 return
             try:
-                fd = self.device.create_fb(vf.index, vf.fb)
-                self._info[vf.index] = mmap.mmap(fd, RESERVED_SIZE, mmap.MAP_SHARED)
+                self.info.map(vf, self.device.create_fb(vf.index, vf.fb))
             except OSError as e:
                 self.vfm.send(vf, E.ENGINE_FAILED, f"no FB: {e}")
                 return
@@ -308,9 +294,7 @@ class Host:
             if vf.conn is not None:
                 vf.conn.close()  # its session's end is a fini, which finds the VF gone
             await self.kill_engine(vf)
-            info = self._info.pop(vf.index, None)
-            if info is not None:  # none when a failed renewal left the VF without an FB
-                info.close()
+            if self.info.unmap(vf):  # none when a failed renewal left the VF without an FB
                 self.device.scrub(vf.index)
                 self.device.destroy_fb(vf.index)
             self.vfm.send(vf, E.DISABLED, "disabled")
@@ -354,7 +338,7 @@ class Host:
         finally:  # the next VF's init may start only once this one no longer runs alone
             self.release_fullaccess(vf)
         vf.vf2pf_bad, vf.untrusted, vf.vf2pf = 0, False, {}
-        self.spawn(self._read_vf2pf(vf, vf.conn))
+        self.spawn(self.info.read_vf2pf(vf, vf.conn))
 
     async def suspend(self, vf: VF, reason: str) -> None:
         self.vfm.send(vf, E.GUEST_FINI, reason)
@@ -397,50 +381,10 @@ class Host:
         async with self.lifecycle:
             await self.resetter.clear_guard(vf)
 
-    # ---- shared info blocks ----------------------------------------------------------
+    # ---- shared info blocks (see host/infoblocks.py) -------------------------------
 
     def write_pf2vf(self, vf: VF) -> None:
-        block = PF2VF(
-            feature_flags=self.device.feature_flags(),
-            fb_size=vf.fb,
-            time_slice_us=int(self.config.scheduler.time_slice_ms * 1000),
-            vf2pf_interval_ms=C.VF2PF_INTERVAL_MS,
-            uuid=self.uuids[vf.index],
-            vf_index=vf.index,
-        ).encode(vf.checksum_key)
-        self._info[vf.index][PF2VF_OFFSET : PF2VF_OFFSET + BLOCK_SIZE] = block
-
-    async def _read_vf2pf(self, vf: VF, conn: Any) -> None:
-        while vf.conn is conn and vf.state in (S.ACTIVE, S.SUSPEND) and not vf.untrusted:
-            await asyncio.sleep(C.VF2PF_INTERVAL_MS / 1000)  # the block's agreed period
-            if vf.conn is not conn or vf.state not in (S.ACTIVE, S.SUSPEND):
-                return
-            raw = bytes(self._info[vf.index][VF2PF_OFFSET : VF2PF_OFFSET + BLOCK_SIZE])
-            try:
-                info = VF2PF.decode(raw, vf.checksum_key)
-            except ProtocolError as e:
-                vf.vf2pf_bad += 1
-                if vf.vf2pf_bad >= C.VF2PF_MAX_BAD:
-                    vf.untrusted = True
-                    self.events.emit(
-                        Category.MAILBOX, "vf2pf.untrusted",
-                        f"VF2PF bad {vf.vf2pf_bad} times in a row ({e}); no longer read",
-                        vf.index,
-                    )  # fmt: skip
-                continue
-            vf.vf2pf_bad = 0
-            if not vf.vf2pf:
-                self.events.emit(
-                    Category.MAILBOX, "vf2pf.first",
-                    f"guest reports {info.driver_version!r}, pid {info.pid}", vf.index,
-                    driver_version=info.driver_version, pid=info.pid,
-                )  # fmt: skip
-            vf.vf2pf = {
-                "driver_version": info.driver_version, "pid": info.pid,
-                "fb_used": info.fb_used, "launches_completed": info.launches_completed,
-                "netgpu_rx_bytes": info.netgpu_rx_bytes,
-                "read_at": time.time(),
-            }  # fmt: skip
+        self.info.write_pf2vf(vf)
 
     # ---- status (see host/status.py) -------------------------------------------------
 
@@ -456,13 +400,8 @@ class Host:
 
 def refuse_if_served(path: Path) -> None:
     """Never take over the socket of a host that is still running."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
+    if not socket_served(path):
         return
-    finally:
-        probe.close()
     raise DeviceError(
         f"another gpuvirt host is serving at {path}; stop it first or use another socket"
     )

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -38,6 +37,7 @@ from gpuvirt.k8s import devices as dev
 from gpuvirt.k8s.hostwatch import HostWatcher
 from gpuvirt.k8s.proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuvirt.k8s.proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from gpuvirt.paths import socket_served
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
@@ -284,13 +284,8 @@ class DevicePlugin:
 
 def _refuse_if_served(path: Path) -> None:
     """Never take over the socket of another plugin that is still serving."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
+    if not socket_served(path):
         return
-    finally:
-        probe.close()
     raise GpuvirtError(
         f"another device plugin is serving at {path}; stop it or give this one another --resource"
     )
