@@ -306,3 +306,15 @@ def test_a_second_host_never_takes_over_a_running_hosts_socket(make_host: MakeHo
     assert "another gpuvirt host is serving" in out.stderr
     with gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu:  # still the first
         assert gpu.launch(lambda xp: 5).result(10) == 5
+
+
+def test_an_orderly_detach_leaves_the_vf_without_a_guest(make_host: MakeHost) -> None:
+    """After fini the VF shows no guest (pid, uid) and takes the next one at once."""
+    hp = make_host()
+    with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as gpu:
+        assert hp.admin.vf(1)["guest_pid"] == os.getpid()
+        assert gpu.launch(lambda xp: 1).result(10) == 1
+    v = hp.admin.vf(1)
+    assert (v["state"], v["guest_pid"]) == ("AVAIL", None)
+    with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as gpu:
+        assert gpu.launch(lambda xp: 2).result(10) == 2

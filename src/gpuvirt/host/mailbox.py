@@ -241,8 +241,7 @@ class Session:
                 t.cancel()
             if self.vf is not None and self.vf.conn is self:
                 await self.host.guest_gone(self.vf)
-                self.vf.conn = None
-                self.vf.guest_pid = self.vf.guest_uid = None
+                self._detach(self.vf)
             self._close_doorbell()
             self.sock.close()
 
@@ -287,6 +286,12 @@ class Session:
         self.send(Frame(HostMsg.SUCCESS, 0, vf.index))  # ATTACH accepted: DW2 = the VF
         self._tasks.append(asyncio.create_task(self._liveness()))
         return True
+
+    @staticmethod
+    def _detach(vf: VF) -> None:
+        """The VF has no guest any more: neither this session nor its pid and uid."""
+        vf.conn = None
+        vf.guest_pid = vf.guest_uid = None
 
     def _refuse(self, reason: FailReason, why: str, vf: int | None) -> bool:
         self.server.refused(reason, why, vf, (self.peer_pid, self.peer_uid))
@@ -379,7 +384,7 @@ class Session:
             self.send(Frame(HostMsg.READY_TO_ACCESS_GPU))
         elif msg == G.REL_GPU_FINI_ACCESS and vf.state == S.SUSPEND:
             await host.guest_gone(vf)
-            vf.conn = None
+            self._detach(vf)
             self.send(Frame(HostMsg.SUCCESS, GuestMsg.REL_GPU_FINI_ACCESS))
             self.close()
         else:
