@@ -138,6 +138,7 @@ class Injector:
     def guest_ftruncate(self, vf: int) -> bool:
         import gpuvirt
 
+        self.settle(vf)  # the previous fault's guest may still be detaching
         with gpuvirt.attach(vf=vf, socket=self.sock, token=self.token(vf)) as gpu:
             fds = own_fb_fds(vf)
             refused = 0

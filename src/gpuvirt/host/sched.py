@@ -11,13 +11,10 @@ Between switches the thread sleeps in epoll (host/watch.py) on its wake fd,
 every engine's exit fd, the running engine's idle fd and, for the
 work-conserving policies, the doorbells of waiting VFs with no work yet.
 
-Guests and engines are untrusted: a doorbell counts at most MAX_QUEUED launches
-ahead of the completions, a running kernel's identity changes only when a
-launch completed, its start time is never in the future, a VF's doorbell wakes
-the thread at most once between two of its slices and its engine's idle fd at
-most IDLE_WAKES_MAX times a slice. An exception on this thread faults the VF
-it was handling (reset by the host), or with none to blame resets the device;
-the thread goes on serving either way.
+Guests and engines are untrusted (host/sched_entry.py bounds what they write):
+a VF's doorbell wakes the thread at most once between two of its slices, its
+engine's idle fd at most IDLE_WAKES_MAX times a slice. An exception on this
+thread faults the VF it was handling, or with none to blame resets the device.
 """
 
 from __future__ import annotations
@@ -37,12 +34,10 @@ from gpuvirt.errors import DeviceError
 from gpuvirt.host.policy import Policy, Rules
 from gpuvirt.host.priority import raise_priority
 from gpuvirt.host.sched_entry import Entry, SchedStats
-from gpuvirt.host.watch import Watches
+from gpuvirt.host.watch import Watches, drain
 
 IDLE_WAKES_MAX = 4  # idle signals a running engine may send per slice
 ESCALATE_EVERY_NS = 1_000_000_000  # unblamed failures: at most one device reset a second
-
-
 # (vf or None for the whole device, reason, detail); called on the scheduler thread
 FaultHandler = Callable[[int | None, str, str], None]
 
@@ -125,18 +120,9 @@ class Scheduler:
             vfs = {e.vf: e.row(now, e is cur) for e in self.entries.values()}
             watching = self._w.describe()
         return {
-            "policy": str(self.policy),
-            "elapsed_ns": now - self.stats.started_ns,
-            "monotonic_ns": now,  # lines the scheduler's figures up with the engines' own
-            "lost_ns": self.stats.lost_ns,
-            "idle_ns": self.stats.idle_ns,
-            "switches": self.stats.switches,
-            "wakeups": self.stats.wakeups,
-            "errors": self.stats.errors,
-            "current": cur.vf if cur else None,
-            "vfs": vfs,
-            "watching": watching,
-        }
+            "policy": str(self.policy), **self.stats.counters(now),
+            "current": cur.vf if cur else None, "vfs": vfs, "watching": watching,
+        }  # fmt: skip
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         fut: Future[Any] = Future()
@@ -168,7 +154,7 @@ class Scheduler:
             cur is None
             or now >= self._slice_end
             or self._yields(cur)
-            or self.rules.should_preempt(cur, self._accounts(), self.exclusive, now)
+            or self.rules.should_preempt(cur, list(self.entries.values()), self.exclusive, now)
         )
         if self._repick or ends:
             # An op (a VF added, removed, given a guest) changes who may run, but does
@@ -205,7 +191,7 @@ class Scheduler:
         self._repick = True
         detail = f"{type(exc).__name__}: {exc}"
         # A switch cut short may have left an engine running that is not `current`.
-        for other in self._accounts():
+        for other in list(self.entries.values()):
             if other is not self.current and other.engine.running and other.engine.alive():
                 with contextlib.suppress(Exception):
                     self._cmd(other, WSCommand.IDLE_GPU)
@@ -218,21 +204,18 @@ class Scheduler:
             self._escalated_at = now
             self.on_fault(None, "sched_error", detail)
 
-    def _accounts(self) -> list[Entry]:
-        return list(self.entries.values())
-
     def _event(self, kind: str, entry: Entry | None) -> None:
         if kind == "wake":
-            _drain(self._wake)
+            drain(self._wake)
         elif kind == "idle":
             assert entry is not None
-            _drain(entry.engine.idle_fd())
+            drain(entry.engine.idle_fd())
             entry.idle_wakes += 1
             if entry.idle_wakes >= IDLE_WAKES_MAX:  # a storm: not heard again this slice
                 self._w.unidle(entry)
         elif kind == "doorbell":
             assert entry is not None and entry.doorbell is not None
-            entry.submitted += _drain(entry.doorbell)
+            entry.submitted += drain(entry.doorbell)
             if entry.read_pending() > 0:
                 # It has work: more rings change nothing until it has run.
                 self._w.undoorbell(entry)
@@ -276,7 +259,7 @@ class Scheduler:
 
     def _take_doorbell(self, e: Entry) -> None:
         if e.doorbell is not None:
-            e.submitted += _drain(e.doorbell)
+            e.submitted += drain(e.doorbell)
 
     def _arm_idle_notify(self) -> None:
         """Ask the running engine to signal when it drains, only while someone waits."""
@@ -284,7 +267,7 @@ class Scheduler:
         if cur is None or not self.rules.work_conserving:
             return
         self._culprit = cur
-        others = self.rules.others_waiting(cur, self._accounts())
+        others = self.rules.others_waiting(cur, list(self.entries.values()))
         cur.engine.status[Word.NOTIFY_IDLE] = 1 if others else 0
         if others:
             self._take_doorbell(cur)
@@ -292,11 +275,9 @@ class Scheduler:
                 os.eventfd_write(self._wake, 1)  # drained before the flag was up
 
     def _cmd(self, e: Entry, cmd: WSCommand) -> None:
-        took = e.engine.command(cmd, self._limit(e, cmd))
+        limit = command_limit(cmd, e.engine.cooperative, self.cmd_timeout, self.coop_idle_timeout)
+        took = e.engine.command(cmd, limit)
         self.stats.commands_ns[cmd.name].append(int(took * 1e9))
-
-    def _limit(self, e: Entry, cmd: WSCommand) -> float:
-        return command_limit(cmd, e.engine.cooperative, self.cmd_timeout, self.coop_idle_timeout)
 
     def _switch(self, nxt: Entry | None) -> None:
         """IDLE(cur) SAVE(cur) LOAD(nxt) RUN(nxt); bookkeeping only once nxt runs."""
@@ -378,7 +359,7 @@ class Scheduler:
                 self._w.unidle(e)
             with contextlib.suppress(Exception):
                 if e.engine.running and e.engine.alive():
-                    e.engine.command(WSCommand.IDLE_GPU, self._limit(e, WSCommand.IDLE_GPU))
+                    self._cmd(e, WSCommand.IDLE_GPU)
             self.current = None
             self._idle_since = time.monotonic_ns()
         self.on_fault(e.vf, reason, detail)
@@ -414,7 +395,7 @@ class Scheduler:
                 self._switch(None)
             elif e.engine.running and e.engine.alive():
                 with contextlib.suppress(DeviceError):
-                    e.engine.command(WSCommand.IDLE_GPU, self._limit(e, WSCommand.IDLE_GPU))
+                    self._cmd(e, WSCommand.IDLE_GPU)
         finally:  # whatever failed above, the VF leaves the schedule
             with self._w.lock:
                 self.entries.pop(vf, None)
@@ -465,10 +446,3 @@ class Scheduler:
 
 
 _DEFERRED = object()
-
-
-def _drain(fd: int) -> int:
-    try:
-        return os.eventfd_read(fd)
-    except BlockingIOError:
-        return 0

@@ -99,3 +99,14 @@ class SchedStats:
     commands_ns: dict[str, deque[int]] = field(
         default_factory=lambda: defaultdict(lambda: deque(maxlen=10_000))
     )
+
+    def counters(self, now: int) -> dict[str, int]:
+        return {
+            "elapsed_ns": now - self.started_ns,
+            "monotonic_ns": now,  # lines the scheduler's figures up with the engines' own
+            "lost_ns": self.lost_ns,
+            "idle_ns": self.idle_ns,
+            "switches": self.switches,
+            "wakeups": self.wakeups,
+            "errors": self.errors,
+        }

@@ -8,6 +8,7 @@ holding it sees both whole, never a map that changes while it iterates.
 from __future__ import annotations
 
 import contextlib
+import os
 import selectors
 import threading
 from typing import Any
@@ -60,3 +61,11 @@ class Watches:
         if e.doorbell is not None and e.doorbell_watched:
             self.discard(e.doorbell)
             e.doorbell_watched = False
+
+
+def drain(fd: int) -> int:
+    """An eventfd's count (0 if nothing was written since the last drain)."""
+    try:
+        return os.eventfd_read(fd)
+    except BlockingIOError:
+        return 0
