@@ -213,7 +213,7 @@ def k_scratch(xp: Any, name: str, write: bool) -> dict[str, Any]:
     if write:
         with open(path, "w") as f:
             f.write("left by the last tenant")
-    return {"exists": os.path.exists(path), "listing": os.listdir(os.environ["TMPDIR"])}
+    return {"exists": os.path.exists(path), "listing": sorted(os.listdir(os.environ["TMPDIR"]))}
 
 
 def k_sum(xp: Any, b: Any) -> int:

@@ -114,6 +114,9 @@ def argv(
     for f in ETC_FILES:
         if os.path.exists(f):
             a += ["--ro-bind", f, f]
+    # The scratch first: a checkout or venv under /tmp (CI's clone, say) is bound on top
+    # of it below, where a tmpfs mounted later would hide the interpreter.
+    a += ["--perms", "01777", "--size", str(scratch_size), "--tmpfs", SCRATCH]
     for d in _parents(ro):
         if not d.startswith("/usr"):
             a += ["--perms", "0755", "--dir", d]
@@ -124,7 +127,6 @@ def argv(
         for dev in sorted(glob.glob(NVIDIA_DEVICES)):
             a += ["--dev-bind", dev, dev]
         a += ["--ro-bind", "/sys", "/sys"]  # the driver reads the device's topology
-    a += ["--perms", "01777", "--size", str(scratch_size), "--tmpfs", SCRATCH]
     for k, v in {**env, "HOME": SCRATCH, "TMPDIR": SCRATCH}.items():
         a += ["--setenv", k, v]
     a += ["--chdir", SCRATCH, "--"]
