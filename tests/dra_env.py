@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from gpuvirt.device.sandbox.bwrap import interpreter_paths
 from gpuvirt.host.process import HostProcess
 from gpuvirt.k8s.proto.dra.v1 import api_pb2 as dra
 from gpuvirt.k8s.proto.dra.v1 import api_pb2_grpc as dra_grpc
@@ -216,6 +217,10 @@ def container(edits: dict[str, Any], code: str) -> subprocess.Popen[str]:
         "--proc", "/proc", "--dev", "/dev", "--clearenv",
         "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
     ]  # fmt: skip
+    # the interpreter and gpuvirt where they live under a hidden tree (a CI clone in /tmp)
+    for p in interpreter_paths():
+        if p.startswith(("/tmp/", "/run/", "/var/")):
+            argv += ["--ro-bind", p, p]
     for m in edits.get("mounts", []):
         flag = "--ro-bind" if "ro" in m.get("options", []) else "--bind"
         argv += [flag, m["hostPath"], m["containerPath"]]

@@ -28,6 +28,7 @@ import pytest
 import gpuvirt
 from gpuvirt.bench.common import host_config
 from gpuvirt.bench.workers import hang
+from gpuvirt.device.sandbox.bwrap import interpreter_paths
 from gpuvirt.host.process import HostProcess
 from helpers import last_seq, wait_event, wait_state
 from k8s_standin import KubeletStandin, Plugin, allocate, next_update, preferred
@@ -317,8 +318,11 @@ def _in_container(resp: Any, code: str, argv: list[str]) -> dict[str, Any]:
         "bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
         "--unshare-net", "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib",
         "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin",
+        # /tmp and /run first: a checkout or venv under /tmp (a CI clone) goes on top
+        "--tmpfs", "/tmp", "--tmpfs", "/run",
         "--ro-bind", str(prefix), str(prefix), "--ro-bind", str(REPO), str(REPO),
-        "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run", "--clearenv",
+        *(a for p in interpreter_paths() for a in ("--ro-bind", p, p)),
+        "--proc", "/proc", "--dev", "/dev", "--clearenv",
     ]  # fmt: skip
     for m in resp.mounts:
         args += ["--ro-bind" if m.read_only else "--bind", m.host_path, m.container_path]
