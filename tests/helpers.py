@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpuvirt.device.sandbox.bwrap import interpreter_paths
 from gpuvirt.host.process import HostProcess
 from gpuvirt.protocol.mailbox import FRAME_SIZE, Attach, Frame, GuestMsg, HostMsg
 
@@ -87,3 +88,9 @@ def hold_fullaccess(hp: HostProcess, vf: int) -> socket.socket:
     s.sendall(Frame(GuestMsg.REQ_GPU_INIT_ACCESS).encode())
     assert _recv_frame(s).msg == HostMsg.READY_TO_ACCESS_GPU
     return s
+
+
+def bound_under_tmp() -> list[str]:
+    """What an empty /tmp of a sandbox or container holds when the checkout or venv
+    lives under /tmp (a CI clone): the mount points of its read-only binds."""
+    return sorted({Path(p).parts[2] for p in interpreter_paths() if Path(p).parts[1:2] == ("tmp",)})

@@ -15,19 +15,11 @@ import pytest
 
 import gpuvirt
 from confine_env import CANARY, hostile_scene
-from gpuvirt.device.sandbox.bwrap import interpreter_paths
 from gpuvirt.device.sandbox.launch import BASE_ENV, PASSED_ENV_PREFIXES
-from helpers import MakeHost, fb_fds
+from helpers import MakeHost, bound_under_tmp, fb_fds
 from hostile import k_identity, k_proc_fds, k_read_files, k_scratch, k_write_files
 
 pytestmark = pytest.mark.timeout(180)
-
-
-# Where the checkout or its venv lives under /tmp (a CI clone), the sandbox binds it
-# there read-only, over the scratch: those directories are all a fresh scratch holds.
-BOUND_IN_SCRATCH = sorted(
-    {Path(p).parts[2] for p in interpreter_paths() if Path(p).parts[1:2] == ("tmp",)}
-)
 
 
 def test_another_vfs_memory_is_out_of_reach(make_host: MakeHost) -> None:
@@ -107,12 +99,12 @@ def test_scratch_is_emptied_at_fini_and_flr(make_host: MakeHost) -> None:
         sc.hp.admin.vf(1, "reset")  # FLR: a fresh engine
         sc.gpu.wait_ready()
         assert sc.gpu.launch(k_scratch, name, False).result(30) == {
-            "exists": False, "listing": BOUND_IN_SCRATCH,
+            "exists": False, "listing": bound_under_tmp(),
         }  # fmt: skip
         assert sc.gpu.launch(k_scratch, name, True).result(30)["exists"]
     # fini (the tenant detached): the next tenant finds an empty scratch dir
     hp = sc.hp
     with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1)) as gpu:
         assert gpu.launch(k_scratch, name, False).result(30) == {
-            "exists": False, "listing": BOUND_IN_SCRATCH,
+            "exists": False, "listing": bound_under_tmp(),
         }  # fmt: skip

@@ -16,8 +16,7 @@ import pytest
 import gpuvirt
 from dra_env import DRIVER, Kubelet, cdi_device, claim, container, node
 from gpuvirt.config import MiB
-from gpuvirt.device.sandbox.bwrap import interpreter_paths
-from helpers import MakeHost, last_seq, wait_event
+from helpers import MakeHost, bound_under_tmp, last_seq, wait_event
 
 log = logging.getLogger("test_dra")
 pytestmark = pytest.mark.timeout(180)
@@ -172,7 +171,7 @@ with gpuvirt.attach() as gpu:
     sys.stdin.readline()  # attached until the test has looked at the host
 """.replace(
     "BOUND",
-    repr(sorted({Path(p).parts[2] for p in interpreter_paths() if Path(p).parts[1:2] == ("tmp",)})),
+    repr(bound_under_tmp()),
 )
 
 

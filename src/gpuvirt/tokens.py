@@ -58,7 +58,7 @@ def load_or_create_token(path: Path) -> bytes:
     a token others could read is already spent.
     """
     path = Path(path)
-    token = _read_token(path)
+    token = read_token(path)
     if token is None:
         token = _create_token(path)
     return token
@@ -66,11 +66,6 @@ def load_or_create_token(path: Path) -> bytes:
 
 def read_token(path: Path) -> bytes | None:
     """The token in ``path``, or None if there is no such file (never creates one)."""
-    return _read_token(Path(path))
-
-
-def _read_token(path: Path) -> bytes | None:
-    """The token in ``path``, or None if there is no such file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -126,7 +121,7 @@ def _create_token(path: Path) -> bytes:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except FileExistsError:
         # Another process won the race, or a dangling link is in the way.
-        existing = _read_token(path)
+        existing = read_token(path)
         if existing is None:
             raise ConfigError(
                 f"token file {path} exists but cannot be opened (a dangling symbolic link?)"

@@ -338,7 +338,8 @@ class CudaDevice(Device):
     def __init__(
         self,
         sandbox: Sandbox | None = None,
-        kernel_scratch: int = 0,
+        *,
+        kernel_scratch: int,
         probe_timeout: float = PROBE_TIMEOUT_S,
     ) -> None:
         """sandbox None: unconfined engines (device tests); the host passes its own."""

@@ -89,13 +89,14 @@ class StatusReport:
         s = snap["vfs"].get(vf.index, {})
         achieved = self.achieved_shares()
         configured = self.configured_shares()
+        memory = self.device.engine_memory()
         return {
             "index": vf.index,
             "state": str(vf.state),
             "fb_total": vf.fb,
             # Device memory its engine takes outside the FB (cuda; 0 on emu), budgeted.
-            "context_bytes": self.device.engine_memory().context,
-            "scratch_bytes": self.device.engine_memory().scratch,
+            "context_bytes": memory.context,
+            "scratch_bytes": memory.scratch,
             "fb_used": vf.vf2pf.get("fb_used", 0),
             "fb_resident": self.device.fb_resident(vf.index) if self.has_fb(vf.index) else 0,
             "weight": vf.plan.weight,

@@ -1,4 +1,4 @@
-"""The demo's own knobs (the host's defaults live in gpuvirt.config)."""
+"""The demo's own knobs (the host's defaults live in gpuvirt.defaults)."""
 
 from __future__ import annotations
 
