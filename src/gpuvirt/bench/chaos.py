@@ -14,7 +14,8 @@ should (EPERM for ftruncate, a reset for a hang, quarantine for a storm, the
 next tenant reading zeros). JSON keys (DESIGN.md): faults_injected,
 faults_survived, faults_by_kind, results_checked, results_wrong, bytes_leaked,
 vfs_stuck, host_rss_start_mib, host_rss_end_mib; beside them honest_vfs_lost
-(an honest VF reset or errored), honest_errors and minutes.
+(an honest VF reset or errored), honest_errors, minutes, and host_rss_by_minute_mib
+(the RSS at the start of each minute, to tell warming up from a leak).
 """
 
 from __future__ import annotations
@@ -94,14 +95,23 @@ class Injector:
                 self.seq = max(self.seq, ev["seq"])  # woken by the VF's next event
         return False
 
+    def describe(self, vf: int) -> str:
+        """The VF as the admin sees it now, and its last events: why a fault failed."""
+        st = self.hp.admin.vf(vf)
+        last = [
+            f"{e['kind']}: {e['message']}"
+            for e in self.hp.admin.events(after=max(0, self.seq - 500), vf=vf)[-4:]
+        ]
+        return f"state {st['state']}, guest_pid {st['guest_pid']}; last events: {last}"
+
     # ---- the faults --------------------------------------------------------------------
 
-    def wait_event(self, vf: int, kind: str, timeout: float = SETTLE_S) -> bool:
+    def wait_event(self, vf: int, kinds: tuple[str, ...], timeout: float = SETTLE_S) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for ev in self.hp.admin.events(after=self.seq, vf=vf, wait=1.0):
                 self.seq = max(self.seq, ev["seq"])
-                if ev["kind"] == kind:
+                if ev["kind"] in kinds:
                     return True
         return False
 
@@ -110,8 +120,9 @@ class Injector:
         pid = self.hp.admin.vf(vf)["engine_pid"]
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        # The host notices the death, resets the VF and starts a fresh engine.
-        return self.wait_event(vf, "flr.done") and self.settle(vf)
+        # The host notices the death and resets the VF: a fresh engine, or quarantine
+        # when the earlier faults' FLRs have filled the guard's window.
+        return self.wait_event(vf, ("flr.done", "guard.trip")) and self.settle(vf)
 
     def sigkill_guest(self, vf: int) -> bool:
         with Workers() as w:
@@ -248,8 +259,12 @@ def run(quick: bool = False, backend: str = "emu", minutes: float | None = None)
             for vf in HONEST:
                 w.start(verified_guest, str(hp.socket), vf, hp.token(vf), rng.getrandbits(32))
             w.wait_ready()
-            deadline = time.monotonic() + minutes * 60
+            start = time.monotonic()
+            deadline = start + minutes * 60
+            rss = [rss_start]  # once a minute: is it flat once warm?
             while time.monotonic() < deadline and hp.alive():
+                if time.monotonic() - start >= 60 * len(rss):
+                    rss.append(hp.status()["host_rss_bytes"])
                 kind = rng.choice(list(inj.faults))
                 vf = rng.choice(HOSTILE)
                 injected[kind] += 1
@@ -258,6 +273,8 @@ def run(quick: bool = False, backend: str = "emu", minutes: float | None = None)
                 except Exception as e:  # a fault that errs is not survived
                     ok = False
                     notes.append(f"{kind} on VF{vf}: {type(e).__name__}: {e}")
+                if not ok and hp.alive():
+                    notes.append(f"{kind} on VF{vf} not survived: {inj.describe(vf)}")
                 survived[kind] += ok and hp.alive()
             reports = w.stop() if hp.alive() else []
         alive = hp.alive()
@@ -291,6 +308,7 @@ def run(quick: bool = False, backend: str = "emu", minutes: float | None = None)
         "host_alive": alive,
         "host_rss_start_mib": round(rss_start / MiB, 1),
         "host_rss_end_mib": round(status["host_rss_bytes"] / MiB, 1),
+        "host_rss_by_minute_mib": [round(b / MiB, 1) for b in rss],
     }
     rows = [
         ("minutes", minutes, "min"),
