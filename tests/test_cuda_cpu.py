@@ -236,13 +236,11 @@ def test_a_kernel_that_never_ends_is_a_command_timeout(rig: Rig) -> None:
     t0 = time.monotonic()
     with pytest.raises(CommandTimeout, match="did not acknowledge IDLE_GPU within 300 ms"):
         e.command(WSCommand.IDLE_GPU, 0.3)
-    assert 0.29 < time.monotonic() - t0 < 5  # loose at the top: 2 loaded cores
-    # The next attempt fails at once, not after its own (long) timeout: the engine is
-    # still in the same kernel.
-    t0 = time.monotonic()
-    with pytest.raises(CommandTimeout, match="still not acknowledged"):
-        e.command(WSCommand.IDLE_GPU, 10)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 >= 0.3  # it waited its whole limit, as asked
+    # The next attempt is refused at once, without waiting (an hour here, which the
+    # test's timeout would end): the engine is still in the same kernel.
+    with pytest.raises(CommandTimeout, match="still not acknowledged IDLE_GPU"):
+        e.command(WSCommand.IDLE_GPU, 3600)
     assert e.alive()
     e.kill()
     assert not e.alive()
@@ -256,19 +254,16 @@ def test_engine_killed_while_idling_is_engine_died(rig: Rig) -> None:
     e.command(WSCommand.INIT_GPU, 30)
     e.command(WSCommand.RUN_GPU, T)
     os.kill(e.pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(EngineDied):
-        e.command(WSCommand.IDLE_GPU, T)
-    assert time.monotonic() - t0 < 1.0  # seen on the pidfd, not at the timeout
+    # Seen on the pidfd: with an hour's limit, only the exit can end the wait.
+    with pytest.raises(EngineDied, match=r"is gone|exited"):
+        e.command(WSCommand.IDLE_GPU, 3600)
 
 
 def test_engine_that_dies_during_start_fails_init() -> None:
     r = Rig(fault=True)
     try:
-        t0 = time.monotonic()
         with pytest.raises(EngineDied, match="exited during INIT_GPU"):
-            r.engine.command(WSCommand.INIT_GPU, 30)
-        assert time.monotonic() - t0 < 10
+            r.engine.command(WSCommand.INIT_GPU, 3600)  # the exit ends it, not the limit
     finally:
         r.close()
 
@@ -283,20 +278,6 @@ def test_cuda_engine_without_cupy_reports_why_it_did_not_start() -> None:
         assert r.engine.failure is not None and "cupy" in r.engine.failure
     finally:
         r.close()
-
-
-def test_switch_latency_is_a_socket_round_trip(rig: Rig) -> None:
-    e = rig.engine
-    e.command(WSCommand.INIT_GPU, 30)
-    times = []
-    for _ in range(200):
-        times.append(e.command(WSCommand.RUN_GPU, T))
-        times.append(e.command(WSCommand.IDLE_GPU, T))
-        e.command(WSCommand.SAVE_GPU_STATE, T)
-        e.command(WSCommand.LOAD_GPU_STATE, T)
-    times.sort()
-    # Loose: a CI machine with 2 busy cores. The point is no polling back-off in the path.
-    assert times[len(times) // 2] < 0.005
 
 
 # ---- the staged FB path against a real emu host ------------------------------------
