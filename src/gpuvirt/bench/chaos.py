@@ -104,6 +104,18 @@ class Injector:
         ]
         return f"state {st['state']}, guest_pid {st['guest_pid']}; last events: {last}"
 
+    def attach_raw(self, vf: int, tries: int = 3) -> RawGuest:
+        """A raw guest attached to the VF. The previous fault's frames may have asked for
+        a reset (REQ_GPU_RESET_ACCESS) that the host starts after its connection is gone,
+        so the VF settle saw AVAIL may refuse the attach: settle again, then retry."""
+        token = parse_token(self.token(vf))
+        for _ in range(tries - 1):
+            self.settle(vf)
+            with contextlib.suppress(ConnectionError):
+                return RawGuest.attached(self.sock, vf, token)
+        self.settle(vf)
+        return RawGuest.attached(self.sock, vf, token)
+
     # ---- the faults --------------------------------------------------------------------
 
     def wait_event(self, vf: int, kinds: tuple[str, ...], timeout: float = SETTLE_S) -> bool:
@@ -177,7 +189,7 @@ class Injector:
         return self.settle(vf)
 
     def garbage_frames(self, vf: int) -> bool:
-        with RawGuest.attached(self.sock, vf, parse_token(self.token(vf))) as g:
+        with self.attach_raw(vf) as g:
             words = [self.rng.getrandbits(32) for _ in range(4 * self.rng.randint(1, 400))]
             for i in range(0, len(words), 4):  # mostly ids the host knows, to get past them
                 if self.rng.random() < 0.7:
@@ -188,12 +200,12 @@ class Injector:
         return self.settle(vf)
 
     def mid_frame_disconnect(self, vf: int) -> bool:
-        with RawGuest.attached(self.sock, vf, parse_token(self.token(vf))) as g:
+        with self.attach_raw(vf) as g:
             g.send_raw(self.rng.randbytes(self.rng.randint(1, 15)))
         return self.settle(vf)
 
     def log_flood(self, vf: int) -> bool:
-        with RawGuest.attached(self.sock, vf, parse_token(self.token(vf))) as g:
+        with self.attach_raw(vf) as g:
             g.send(*(Frame(GuestMsg.LOG_VF_ERROR, i) for i in range(3000)))
             g.send(Frame(0xDEAD))
             while (f := g.recv()) is not None and f.dw1 != 0xDEAD:
@@ -269,7 +281,8 @@ def run(quick: bool = False, backend: str = "emu", minutes: float | None = None)
                 vf = rng.choice(HOSTILE)
                 injected[kind] += 1
                 try:
-                    ok = inj.faults[kind](vf)
+                    # Each fault starts from a VF in AVAIL: the last one's effect is over.
+                    ok = inj.settle(vf) and inj.faults[kind](vf)
                 except Exception as e:  # a fault that errs is not survived
                     ok = False
                     notes.append(f"{kind} on VF{vf}: {type(e).__name__}: {e}")
