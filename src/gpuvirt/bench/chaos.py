@@ -128,7 +128,6 @@ class Injector:
         return False
 
     def sigkill_engine(self, vf: int) -> bool:
-        self.settle(vf)
         pid = self.hp.admin.vf(vf)["engine_pid"]
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -161,7 +160,6 @@ class Injector:
     def guest_ftruncate(self, vf: int) -> bool:
         import gpuvirt
 
-        self.settle(vf)  # the previous fault's guest may still be detaching
         with gpuvirt.attach(vf=vf, socket=self.sock, token=self.token(vf)) as gpu:
             fds = own_fb_fds(vf)
             refused = 0
