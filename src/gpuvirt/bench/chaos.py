@@ -105,15 +105,15 @@ class Injector:
         return f"state {st['state']}, guest_pid {st['guest_pid']}; last events: {last}"
 
     def attach_raw(self, vf: int, tries: int = 3) -> RawGuest:
-        """A raw guest attached to the VF. The previous fault's frames may have asked for
-        a reset (REQ_GPU_RESET_ACCESS) that the host starts after its connection is gone,
-        so the VF settle saw AVAIL may refuse the attach: settle again, then retry."""
+        """A raw guest attached to the VF (the run loop has settled it). The previous
+        fault's frames may have asked for a reset (REQ_GPU_RESET_ACCESS) that the host
+        starts after its connection is gone, so a VF seen AVAIL may still refuse the
+        attach: settle again, then retry."""
         token = parse_token(self.token(vf))
         for _ in range(tries - 1):
-            self.settle(vf)
             with contextlib.suppress(ConnectionError):
                 return RawGuest.attached(self.sock, vf, token)
-        self.settle(vf)
+            self.settle(vf)
         return RawGuest.attached(self.sock, vf, token)
 
     # ---- the faults --------------------------------------------------------------------
