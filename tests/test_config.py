@@ -340,6 +340,8 @@ BAD_CONFIGS = [
     ('[host]\nadmin = "nowhere"', 'host.admin = "nowhere"', "HOST:PORT"),
     ('[host]\nadmin = "127.0.0.1:0"', 'host.admin = "127.0.0.1:0"', "port"),
     ('[host]\nadmin = "::1:9464"', 'host.admin = "::1:9464"', "brackets"),
+    ("[engine]\npoll_us = -1", "engine.poll_us = -1", "between 0 and 1000000"),
+    ("[engine]\npoll_us = 2000000", "engine.poll_us = 2000000", "between 0 and 1000000"),
 ]
 
 

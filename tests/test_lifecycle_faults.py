@@ -35,6 +35,34 @@ def _events_file(hp) -> Path:
     return hp.config.host.state_path() / "events.jsonl"
 
 
+SPARE_FDS = 3  # what the host holds of a spare: its control socket, idle eventfd, pidfd
+
+
+def _kill_spares(host: int) -> int:
+    """SIGKILL the host's spare engines (started with no FB: `--fb-fd -1`)."""
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+            pid, ppid = int(entry.name), int(_stat(entry)[1])
+            while ppid not in (0, 1, host):
+                ppid = int(_stat(Path(f"/proc/{ppid}"))[1])
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if ppid == host and b"gpuvirt.device.engine" in args and b"--fb-fd" in args:
+            if args[args.index(b"--fb-fd") + 1] == b"-1":
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+def _stat(proc: Path) -> list[str]:
+    text = (proc / "stat").read_text()
+    return text[text.rindex(")") + 2 :].split()  # state, ppid, ...
+
+
 def _wait_logged(path: Path, match, timeout: float = 60.0) -> dict:
     """The first event in the host's log file that `match` accepts (the admin endpoint
     cannot be asked: the host may open no descriptor at all)."""
@@ -121,10 +149,12 @@ def test_emfile_in_engine_start_is_retried_and_ends_in_a_legal_state(make_host: 
     engine = hp.admin.vf(0)["engine_pid"]
     top = max(int(fd.name) for fd in Path(f"/proc/{hp.pid}/fd").iterdir())
     limits = resource.prlimit(hp.pid, resource.RLIMIT_NOFILE)
-    # No fd above those open now: after the kill, the FLR gets only the few the dead
-    # engine left, enough to renew the FB but not to spawn an engine and its spare.
-    resource.prlimit(hp.pid, resource.RLIMIT_NOFILE, (top + 1, limits[1]))
+    # The FLR must spawn an engine: its spare is killed first. No fd above those open
+    # now, less the few the spare's reaping frees: the FLR then has only the few the
+    # dead engine left, enough to renew the FB but not to spawn an engine.
+    resource.prlimit(hp.pid, resource.RLIMIT_NOFILE, (top + 1 - SPARE_FDS, limits[1]))
     try:
+        assert _kill_spares(hp.pid) > 0
         os.kill(engine, signal.SIGKILL)
         _wait_logged(_events_file(hp), lambda e: e["kind"] == "engine.start_error")
         done = _wait_logged(

@@ -38,6 +38,7 @@ DEFAULT_MEMORY_ALLOWANCE = 1 * GiB  # engine memory limit = its VF's FB + this, 
 DEFAULT_ENGINE_TASKS = 64  # threads an engine may run (it may create no processes)
 DEFAULT_ENGINE_NOFILE = 256
 DEFAULT_ENGINE_SCRATCH = 64 * MiB
+DEFAULT_POLL_US = 200  # gpuvirt/poll.py: haltpoll's guest_halt_poll_ns default
 DEFAULT_SOCKET_MODE = 0o660
 
 FB_RESERVED = 128 * KiB  # head of every FB: PF2VF at 64 KiB, VF2PF at 65 KiB

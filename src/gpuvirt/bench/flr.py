@@ -9,7 +9,7 @@ and the end of the FLR, so the neighbours' share during it is exact.
 - neighbour_share_ratios: each neighbour's work rate during FLRs of VF0 (its
   kernels' own progress logs, cut at each FLR's start and end instants)
   against its own rate in a steady window before the hang; every one, each
-  on its own, must reach 0.95. One FLR now lasts ~10-30 ms, under a few 6 ms
+  on its own, must reach 0.95. One FLR now lasts ~10 ms, under two 6 ms
   slices: whether a given neighbour's turn falls inside it is chance, so each
   round adds RESETS more FLRs of VF0 (admin resets, once its guest has left,
   RESET_GAP_S apart so each finds its spare engine ready) and the spans are
@@ -30,10 +30,10 @@ from gpuvirt.bench.workers import Workers, busy_guest, hang_guest, work_between
 
 JOB_TIMEOUT_S = 1.0
 CMD_TIMEOUT_MS = 500
-RESETS = 10  # more FLRs of VF0 per round, for spans long enough to share out
+RESETS = 20  # more FLRs of VF0 per round, for spans long enough to share out
 # Apart by this much: the spare engine an FLR adopts is started after the previous FLR
 # and needs time to be ready; back to back, every FLR would start an engine cold.
-RESET_GAP_S = 1.0
+RESET_GAP_S = 0.5
 
 
 def _rate(report: Any, t0: int, t1: int) -> float:
@@ -42,7 +42,7 @@ def _rate(report: Any, t0: int, t1: int) -> float:
 
 def run(quick: bool = False, backend: str = "emu") -> Result:
     rounds = MIN_ROUNDS
-    resets = 4 if quick else RESETS
+    resets = 10 if quick else RESETS
     recover, ratios, guest_ms, steps = [], [], [], []
     each_sched: list[float] = []
     idle_pct: list[float] = []

@@ -263,6 +263,7 @@ class HostConfig(BaseModel):
             f"tasks = {e.tasks}",
             f"nofile = {e.nofile}",
             f"scratch = {toml_str(format_size(e.scratch))}",
+            f"poll_us = {e.poll_us}",
         ]
         rows: list[tuple[int, int | None, float, Path, tuple[int, ...] | None]]
         if total is not None:

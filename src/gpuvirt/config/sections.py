@@ -34,6 +34,7 @@ from gpuvirt.defaults import (
     DEFAULT_MEMORY_ALLOWANCE,
     DEFAULT_PF_FB,
     DEFAULT_POLICY,
+    DEFAULT_POLL_US,
     DEFAULT_READY_TO_RESET_WAIT_MS,
     DEFAULT_SANDBOX,
     DEFAULT_SOCKET_MODE,
@@ -288,6 +289,9 @@ class EngineSection(BaseModel):
     tasks: Annotated[int, _in_range(4, 65536)] = DEFAULT_ENGINE_TASKS
     nofile: Annotated[int, _in_range(32, 1 << 20)] = DEFAULT_ENGINE_NOFILE
     scratch: NonZeroSize = DEFAULT_ENGINE_SCRATCH
+    # µs an engine polls its guest channel before it sleeps, while it has the device to
+    # itself (gpuvirt/poll.py); 0: never poll.
+    poll_us: Annotated[int, _in_range(0, 1_000_000)] = DEFAULT_POLL_US
 
 
 class VFSection(BaseModel):

@@ -38,21 +38,33 @@ class EmuEngine(ProcessEngine):
         fb_fd: int | None,
         fault: bool,
         watchdog: Watchdog,
-        cpus: set[int],
+        cpus: tuple[set[int], set[int]],
         sandbox: Sandbox,
         identity: EngineSpec | None = None,
     ) -> None:
+        """cpus: the device's, where it runs, and the host's others, where it starts
+        and exits."""
         super().__init__(spec, fb_fd, "emu", [], fault, sandbox, identity)
         self._watchdog = watchdog
-        self._cpus = cpus
+        self._cpus, self._others = cpus
         self.after_init: Callable[[], None] | None = None
         watchdog.add(self)
         # Starting (an interpreter, numpy) happens off the device's CPU where there is
         # another: there it would delay the stop of whichever VF is running.
-        others = os.sched_getaffinity(0) - cpus
-        if others:
+        self._off_device()
+
+    def _off_device(self) -> None:
+        if self._others:
             with contextlib.suppress(OSError):
-                os.sched_setaffinity(self.pid, others)
+                os.sched_setaffinity(self.pid, self._others)
+
+    def kill(self) -> None:
+        # A process's exit (tearing down its address space, uncharging its cgroup's
+        # pages) runs on the CPU it last ran on: milliseconds that, on the device's
+        # CPU, an FLR would take from the neighbours running meanwhile.
+        if not self._reaped:
+            self._off_device()
+        super().kill()
 
     def _reaped_cleanup(self) -> None:
         self._watchdog.discard(self)
@@ -128,6 +140,7 @@ class EmuDevice(Device):
         # engine runs at a time anyway, and a stop or continue that stays on one CPU
         # needs no inter-processor interrupt (p50 switch ~145 → ~115 µs measured here).
         self.exec_cpus = {max(os.sched_getaffinity(0))}
+        self.host_cpus = os.sched_getaffinity(0) - self.exec_cpus
         self._fbs: dict[int, tuple[int, int]] = {}  # vf -> (fd, size)
         self._faults = StartFaults(os.environ.get(FAULT_ENV, ""))
         self._watchdog = Watchdog(watchdog_tick)
@@ -167,13 +180,15 @@ class EmuDevice(Device):
             engine = self._engine(spec, fb_fd, fault)
         # The next spare starts once this engine is up, not beside it: during an FLR the
         # CPU goes to finishing this start and to the neighbours, not to a second start.
-        engine.after_init = lambda: self._spares.refill(key, spec)
+        # Nor does the FLR wait for it (a sandbox's spawn takes milliseconds).
+        engine.after_init = lambda: self._spares.refill_soon(key, spec)
         return engine
 
     def _engine(
         self, spec: EngineSpec, fb_fd: int | None, fault: bool, identity: EngineSpec | None = None
     ) -> EmuEngine:
-        return EmuEngine(spec, fb_fd, fault, self._watchdog, self.exec_cpus, self.sandbox, identity)
+        cpus = (self.exec_cpus, self.host_cpus)
+        return EmuEngine(spec, fb_fd, fault, self._watchdog, cpus, self.sandbox, identity)
 
     def guest_fds(self, vf: int) -> list[int]:
         return [self._fbs[vf][0]]

@@ -17,6 +17,10 @@ descriptors inherited. Two ways to world-switch, chosen by `--switch`:
   engine stuck in a kernel cannot acknowledge: the host's wait times out, and
   that is the hang.
 
+Between messages the engine polls its guest channel for a while before it
+sleeps (gpuvirt/poll.py; the host sets the limit in POLL_NS), but only while no
+other VF waits for the device: then it sleeps at once, and the host switches.
+
 Work arrives from the guest on the command channel (see protocol/command.py)
 and from the host on the control socket: a new guest's channel (with the fd
 attached), or exit. Kernels are the tenant's own code and run only here.
@@ -50,6 +54,7 @@ from gpuvirt.device.ctl import (
     recv_fd,
 )
 from gpuvirt.device.status import MAGIC, StatusArea, Word
+from gpuvirt.poll import PollWindow
 from gpuvirt.protocol.command import MAX_MESSAGE, BufDesc, Copy, Kind, Message, Status
 from gpuvirt.protocol.errors import ProtocolError
 
@@ -88,6 +93,7 @@ class EngineLoop:
         # µs on every launch of the round trip this loop is the far end of.
         self._ep = select.epoll()
         self._ep.register(ctl.fileno(), select.EPOLLIN)
+        self._poll = PollWindow(0)
         # Device arrays in a kernel's result must travel as host arrays: the guest has no
         # device library to unpickle them with. Executors without device memory have none.
         self._to_host = getattr(executor, "to_host", None)
@@ -95,12 +101,29 @@ class EngineLoop:
     def serve(self) -> None:
         ctl = self.ctl.fileno()
         while True:
-            for fd, _ in self._ep.poll():
+            for fd, _ in self._wait():
                 if fd == ctl:
                     if not self._control():
                         return
                 elif self.guest is not None:
                     self._guest_message()
+
+    def _wait(self) -> list[tuple[int, int]]:
+        """The descriptors ready now: polled for while this VF has the device to itself."""
+        st = self.status
+        if st[Word.POLL_NS] != self._poll.limit_ns:
+            self._poll.set_limit(st[Word.POLL_NS])
+        if self.guest is None or st[Word.NOTIFY_IDLE]:
+            return self._ep.poll()
+        start = time.monotonic_ns()
+        ready = self._poll.poll(self._ready_now)
+        if ready is None:
+            ready = self._ep.poll()
+            self._poll.slept(time.monotonic_ns() - start)
+        return ready
+
+    def _ready_now(self) -> list[tuple[int, int]] | None:
+        return self._ep.poll(0) or None
 
     def _ready_fds(self) -> set[int]:
         return {fd for fd, _ in self._ep.poll()}

@@ -33,6 +33,7 @@ class Word(IntEnum):
     NOTIFY_IDLE = 64  # 1: signal the idle eventfd when the queue drains
     CMD_SERIAL = 65  # cooperative world switch: serial of the latest command
     CMD_CODE = 66  # and its code (a WSCommand)
+    POLL_NS = 67  # how long the engine polls its guest channel before it sleeps (0: never)
 
 
 class StatusArea:

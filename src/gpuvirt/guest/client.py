@@ -37,6 +37,7 @@ from gpuvirt.guest.memory import Allocator, Buffer, MappedFB
 from gpuvirt.guest.queue import CommandQueue, Kernel, LaunchFuture, kernel
 from gpuvirt.guest.staging import StagedFB, StagingArea
 from gpuvirt.paths import mailbox_socket
+from gpuvirt.poll import POLL_ENV, poll_limit_ns
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (
     BLOCK_SIZE,
@@ -91,9 +92,10 @@ class Gpu:
     """One attached VF."""
 
     def __init__(
-        self, vf: int, sock: socket.socket, on_reset: Callable[[Gpu], None] | None
+        self, vf: int, sock: socket.socket, on_reset: Callable[[Gpu], None] | None, poll_ns: int
     ) -> None:
         self.vf = vf
+        self._poll_ns = poll_ns
         self._sock = sock
         self.on_reset = on_reset
         self.generation = 0
@@ -259,7 +261,7 @@ class Gpu:
                 )
             self.info = info
             self._allocator = Allocator.for_fb(info.fb_size)
-            self._queue = CommandQueue(socket.socket(fileno=channel), doorbell)
+            self._queue = CommandQueue(socket.socket(fileno=channel), doorbell, self._poll_ns)
             if info.feature_flags & FEATURE_FB_MAPPED:
                 self._fb = MappedFB(self._mem, info.fb_size)
             else:  # the FB is device memory (cuda): data goes through the staging area
@@ -389,7 +391,8 @@ def attach(
     timeout: float = REPLY_TIMEOUT_S,
 ) -> Gpu:
     """Attach to a VF. Defaults come from GPUVIRT_VF, GPUVIRT_SOCKET, and GPUVIRT_TOKEN or
-    else GPUVIRT_TOKEN_FILE (a file holding the token, as a Kubernetes device plugin mounts it)."""
+    else GPUVIRT_TOKEN_FILE (a file holding the token, as a Kubernetes device plugin mounts it).
+    GPUVIRT_POLL_US bounds how long a wait for a result polls before it sleeps (0: never)."""
     import socket as socket_mod
 
     path = socket or os.environ.get("GPUVIRT_SOCKET") or mailbox_socket()
@@ -404,6 +407,7 @@ def attach(
     if token is None:
         token = os.environ.get("GPUVIRT_TOKEN") or _token_from_file()
     raw = parse_token(token)
+    poll_ns = poll_limit_ns(os.environ.get(POLL_ENV))
     sock = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
     try:
         sock.connect(os.fspath(path))
@@ -414,7 +418,7 @@ def attach(
             "and is this the socket it printed?"
         ) from None
     sock.sendall(Attach(vf=vf, token=raw).encode())
-    gpu = Gpu(vf, sock, on_reset)
+    gpu = Gpu(vf, sock, on_reset, poll_ns)
     try:
         reply, _ = gpu._replies.get(timeout=timeout)
         if reply.msg != HostMsg.SUCCESS:

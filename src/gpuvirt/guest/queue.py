@@ -2,7 +2,9 @@
 
 No background thread reads the channel: whoever waits for a result pumps
 replies until its own arrives (under a lock, so one thread reads at a time).
-That keeps a launch round trip to two socket hops and no thread hand-off.
+That keeps a launch round trip to two socket hops and no thread hand-off. The
+reader polls the channel briefly before it blocks (gpuvirt/poll.py): on a VM a
+blocked reader's wake-up costs more than the launch itself.
 Before each message the guest rings the VF's doorbell (an eventfd the host
 gave it), which is how the scheduler learns this VF has work.
 
@@ -29,7 +31,9 @@ from typing import Any
 
 import cloudpickle
 
+from gpuvirt.defaults import DEFAULT_POLL_US
 from gpuvirt.errors import DetachedError, GpuvirtError, KernelError, VFResetError
+from gpuvirt.poll import PollWindow
 from gpuvirt.protocol.command import MAX_MESSAGE, Copy, Kind, Message, Status
 
 _kernel_ids = itertools.count(1)
@@ -106,7 +110,9 @@ class LaunchFuture(Future[Any]):
 
 
 class CommandQueue:
-    def __init__(self, channel: socket.socket, doorbell: int) -> None:
+    def __init__(
+        self, channel: socket.socket, doorbell: int, poll_ns: int = DEFAULT_POLL_US * 1000
+    ) -> None:
         self.channel = channel
         channel.setblocking(True)  # see RECV_TICK_S; the fd may come non-blocking
         self.doorbell = doorbell
@@ -119,6 +125,7 @@ class CommandQueue:
         self._broken: GpuvirtError | None = None
         self._rcvtimeo = 0.0  # SO_RCVTIMEO now; 0 = none (the socket's default)
         self._rxbuf = bytearray(MAX_MESSAGE)  # see device/engine.py: no big alloc per recv
+        self._poll = PollWindow(poll_ns)
 
     def launch(self, k: Kernel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LaunchFuture:
         payload = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
@@ -174,17 +181,8 @@ class CommandQueue:
                 self._pump_lock.release()
 
     def _pump_one(self, timeout: float | None) -> None:
-        # Most waits are long or unbounded and reuse the setting already there: no
-        # syscall; only the last tick before a deadline is set to the time left.
-        tick = 0.0 if timeout is None else max(min(timeout, RECV_TICK_S), 1e-3)
-        if tick != self._rcvtimeo:
-            sec = int(tick)
-            self.channel.setsockopt(
-                socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(sec, int((tick - sec) * 1e6))
-            )
-            self._rcvtimeo = tick
         try:
-            n = self.channel.recv_into(self._rxbuf)
+            n = self._recv(timeout)
         except BlockingIOError:
             return  # the tick passed; wait() checks its deadline
         except OSError as e:
@@ -209,6 +207,32 @@ class CommandQueue:
             fut.set_exception(
                 GpuvirtError(f"{fut.what} refused by the engine: {msg.payload.decode()}")
             )
+
+    def _recv(self, timeout: float | None) -> int:
+        """One message into the receive buffer: polled for first, then waited for."""
+        start = time.monotonic_ns()
+        n = self._poll.poll(self._recv_now)
+        if n is not None:
+            return n
+        # Most waits are long or unbounded and reuse the setting already there: no
+        # syscall; only the last tick before a deadline is set to the time left.
+        tick = 0.0 if timeout is None else max(min(timeout, RECV_TICK_S), 1e-3)
+        if tick != self._rcvtimeo:
+            sec = int(tick)
+            self.channel.setsockopt(
+                socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(sec, int((tick - sec) * 1e6))
+            )
+            self._rcvtimeo = tick
+        try:
+            return self.channel.recv_into(self._rxbuf)
+        finally:
+            self._poll.slept(time.monotonic_ns() - start)
+
+    def _recv_now(self) -> int | None:
+        try:
+            return self.channel.recv_into(self._rxbuf, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait until every launch so far has finished (errors stay on their futures)."""

@@ -23,6 +23,7 @@ from gpuvirt.config import HostConfig, VFSettings, load_or_create_token
 from gpuvirt.device import make_device
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.sandbox import Sandbox
+from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
 from gpuvirt.host.confinement import sandbox_settings, secure_socket
 from gpuvirt.host.events import Category, EventLog
@@ -57,6 +58,12 @@ class Host:
         self.device = make_device(
             config.device.backend, self.sandbox, config.device.kernel_scratch
         )
+        # On emu the device's CPU is the emulated GPU's: the host's own work (its loop, the
+        # threads and sandboxes it starts) runs beside it, not on it, and takes no device
+        # time from a VF. Only the scheduler thread joins it (host/sched.py).
+        others = os.sched_getaffinity(0) - (self.device.exec_cpus or set())
+        if self.device.exec_cpus and others:
+            os.sched_setaffinity(0, others)
         # Taken once: on cuda total_fb() is the free memory, which the VFs then use up.
         self.fb_total = config.effective_fb_total(self.device.total_fb(config.sriov.vf_num))
         plans = config.vf_layout(self.fb_total)
@@ -220,6 +227,7 @@ class Host:
                     raise DeviceError(f"VF{vf.index}: no engine could be started: {e}") from e
                 await asyncio.sleep(0.05 * 2**attempt)  # back off: fds or pids may free up
         try:
+            engine.status[Word.POLL_NS] = self.config.engine.poll_us * 1000
             await asyncio.to_thread(engine.command, WSCommand.INIT_GPU, C.ENGINE_START_TIMEOUT_S)
         except (DeviceError, OSError) as e:
             await asyncio.to_thread(engine.kill)

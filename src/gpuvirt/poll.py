@@ -1,0 +1,107 @@
+"""Poll before sleeping: both ends of a launch poll their channel for a while first.
+
+On a VM, waking a CPU that has gone to sleep costs tens of µs: an IPI through
+the hypervisor, the vCPU's exit from halt, cold caches after it. A launch
+round trip has two such wake-ups, so a plain blocking wait spends more there
+than on the launch's own work (docs/benchmarks.md, `bench launch`). So the
+guest waiting for a result, and the engine waiting for the next launch, each
+poll their channel for a short window before they block. CUDA does the same
+by default (cudaDeviceScheduleAuto spins while it has a CPU to spare), and so
+does a Linux guest before it halts (cpuidle-haltpoll).
+
+The window adapts by haltpoll's rule (Documentation/virt/guest-halt-polling.rst):
+a wait that polling missed but that ended within the limit grows it, a longer
+one shrinks it, so a tenant whose kernels run for milliseconds stops polling
+within a few launches and the CPU goes back to sleeping. Each turn of the poll
+yields the CPU, so a peer on the same CPU (the reply's sender) runs at once
+instead of waiting out the window. Polling there gains nothing, though (the
+peer could only run because we yielded), and costs a yield per turn: a poll
+that spent less than half its time on the CPU shared it with the peer, and
+polling then stops for the next 2, 4, ... SHARED_BACKOFF waits, doubling while
+that keeps happening (a preemption now and then on a CPU of its own costs a
+wait or two; a peer on the same CPU soon stops the polling for long).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from gpuvirt.defaults import DEFAULT_POLL_US
+from gpuvirt.errors import GpuvirtError
+
+T = TypeVar("T")
+
+POLL_ENV = "GPUVIRT_POLL_US"  # the guest's limit; 0 turns polling off
+GROW_FROM = 4  # a window that grows from nothing starts at limit / GROW_FROM
+SHARED_BACKOFF = 256  # at most this many waits without polling after a shared poll
+
+
+class PollWindow:
+    """How long to poll before blocking, learnt from how the last waits ended."""
+
+    def __init__(self, limit_ns: int) -> None:
+        self.limit_ns = 0
+        self.window_ns = 0
+        self.backoff = 0  # waits left before polling may resume
+        self.shared = 0  # polls in a row that found the CPU shared
+        self.set_limit(limit_ns)
+
+    def set_limit(self, limit_ns: int) -> None:
+        self.limit_ns = max(0, limit_ns)
+        self.window_ns = self.limit_ns
+
+    def poll(self, attempt: Callable[[], T | None]) -> T | None:
+        """attempt() until it returns something or the window passes (then None)."""
+        if self.window_ns <= 0:
+            return None
+        end = time.monotonic_ns() + self.window_ns
+        since = cpu = 0  # when the first yield came, and this thread's CPU time then
+        while True:
+            got = attempt()
+            if got is not None:
+                if since:
+                    self._yielded(time.thread_time_ns() - cpu, time.monotonic_ns() - since)
+                return got
+            now = time.monotonic_ns()
+            if now >= end:
+                return None
+            if not since:
+                since, cpu = now, time.thread_time_ns()
+            os.sched_yield()
+
+    def _yielded(self, on_cpu_ns: int, wall_ns: int) -> None:
+        """A poll that yielded got its message: was the CPU shared meanwhile?"""
+        if on_cpu_ns * 2 >= wall_ns:
+            self.shared = 0
+            return
+        self.shared += 1
+        self.window_ns = 0
+        self.backoff = min(SHARED_BACKOFF, 1 << self.shared)
+
+    def slept(self, waited_ns: int) -> None:
+        """A wait that polling did not end has ended, `waited_ns` after polling began."""
+        if self.backoff:
+            self.backoff -= 1
+        elif waited_ns <= self.limit_ns:
+            grown = max(self.window_ns * 2, self.limit_ns // GROW_FROM)
+            self.window_ns = min(self.limit_ns, grown)
+        else:
+            self.window_ns //= 2
+            if self.window_ns < self.limit_ns // GROW_FROM:
+                self.window_ns = 0
+
+
+def poll_limit_ns(value: str | None) -> int:
+    """The guest's limit from GPUVIRT_POLL_US (µs; unset: the default)."""
+    if value is None or value == "":
+        return DEFAULT_POLL_US * 1000
+    try:
+        us = int(value)
+    except ValueError:
+        raise GpuvirtError(f"{POLL_ENV}={value!r}: not a whole number of microseconds") from None
+    if not 0 <= us <= 1_000_000:
+        raise GpuvirtError(f"{POLL_ENV}={value!r}: must be 0 (off) to 1000000 µs")
+    return us * 1000
