@@ -201,21 +201,36 @@ class Pool:
 
         All or nothing: if any token is bad, none is released and TokenError says which and why.
         """
-        if isinstance(tokens, int):
-            raise TokenError(tokens, f"pass a list of tokens: pool.release([{tokens}])")
-        batch = tokens if isinstance(tokens, list | tuple) else list(tokens)
-        with self._lock:
+        # An application calls this once per fragment, so a one-token list takes a short
+        # path; both paths check the same things in the same order.
+        cls = tokens.__class__
+        batch = tokens if cls is list or cls is tuple else self._as_batch(tokens)
+        lock = self._lock
+        lock.acquire()
+        try:
             gpu = self._gpu
             if self.generation != gpu.generation or gpu.closed or self.closed:
                 self._check_live()
-            table = self._tokens
-            for t in batch:
+            table, refs = self._tokens, self._refs
+            if len(batch) == 1:
+                t = batch[0]
                 if t.__class__ is not int or t not in table:  # bool is an int, and hashes as one
                     raise self._token_error(t)
-            if len(batch) > 1 and len(set(batch)) != len(batch):
+                c = table.pop(t)
+                left = refs[c] - 1
+                refs[c] = left
+                if not left:
+                    self._free.append(c)
+                    if self._waiters:
+                        self._wake()
+                return
+            for t in batch:
+                if t.__class__ is not int or t not in table:
+                    raise self._token_error(t)
+            if len(set(batch)) != len(batch):
                 dup = next(t for t in batch if batch.count(t) > 1)
                 raise TokenError(dup, "appears twice in one release; each token is released once")
-            refs, freed = self._refs, False
+            freed = False
             for t in batch:
                 c = table.pop(t)
                 refs[c] -= 1
@@ -224,6 +239,14 @@ class Pool:
                     freed = True
             if freed and self._waiters:
                 self._wake()
+        finally:
+            lock.release()
+
+    @staticmethod
+    def _as_batch(tokens: Iterable[int]) -> list[int] | tuple[int, ...]:
+        if isinstance(tokens, int):
+            raise TokenError(tokens, f"pass a list of tokens: pool.release([{tokens}])")
+        return tokens if isinstance(tokens, list | tuple) else list(tokens)
 
     @property
     def free_chunks(self) -> int:

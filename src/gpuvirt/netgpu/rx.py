@@ -111,15 +111,24 @@ class Rx:
             return ready.popleft()
         solo = self._solo
         if solo is not None and solo.raw:
-            # the common case, one raw stream, without the general loop's bookkeeping
-            with self._io:
-                if not self._closed and not self._stale():
+            # the common case, one raw stream, without the general loop's bookkeeping; it
+            # runs once per read, so the lock is taken by hand and _stale() is inlined
+            io = self._io
+            io.acquire()
+            try:
+                pool = self.pool
+                gpu = pool._gpu
+                if not (
+                    self._closed or pool.closed or gpu.closed or pool.generation != gpu.generation
+                ):
                     try:
                         got = solo.read_raw()
                     except OSError as e:
                         got = self._read_error(solo, e)
                     if got.__class__ is Frag:
                         return got  # type: ignore[return-value]
+            finally:
+                io.release()
         with self._io:
             self._fill()
         return ready.popleft()
@@ -144,11 +153,14 @@ class Rx:
 
     def _fill(self) -> None:
         ready, hot = self._ready, self._hot
+        pool = self.pool
+        gpu = pool._gpu
         while not ready:
             if self._closed:
                 raise StopIteration
-            if self._stale():
-                self.pool.check_live()  # raises: the pool is lost or closed
+            # _stale(), inlined: it is asked before every read
+            if pool.generation != gpu.generation or gpu.closed or pool.closed:
+                pool.check_live()  # raises: the pool is lost or closed
             solo = self._solo
             if solo is None and self._live == 1 and self._listener is None and not self._dry:
                 solo = self._go_solo()
@@ -163,7 +175,15 @@ class Rx:
             if hot:
                 for s in tuple(hot):
                     try:
-                        st = s.pump(ready)
+                        if s.raw:  # what _pump_raw does, a call layer less: this runs per read
+                            got = s.read_raw()
+                            if got.__class__ is Frag:
+                                ready.append(got)  # type: ignore[arg-type]
+                                st = OK
+                            else:
+                                st = got  # type: ignore[assignment]
+                        else:
+                            st = s.pump(ready)
                     except OSError as e:
                         st = self._read_error(s, e)
                     if st == OK:

@@ -67,10 +67,12 @@ class Stream:
         self.bytes = 0  # payload bytes
         self.seq = 0  # fragments handed out
         self.messages = 0
-        # where the next bytes go: the current chunk and the fill position in it
+        # where the next bytes go: the current chunk and (framed) the fill position in it
         self.chunk: int | None = None
         self.base = 0
         self.pos = 0
+        self.fill = 0  # raw mode: the absolute pool positions of the fill and the chunk end
+        self.end = 0
         # framed mode
         self.hdr = bytearray(HEADER_SIZE)
         self.hdr_view = memoryview(self.hdr)
@@ -106,16 +108,23 @@ class Stream:
         return OK
 
     def read_raw(self) -> Frag | int:
-        """One read, one fragment; or DRY / ENDED. The hot path: kept flat on purpose."""
+        """One read, one fragment; or DRY / ENDED. The hot path: kept flat on purpose.
+
+        It runs once per read, so what it costs beyond the recv is paid per ~100 KB:
+        raw mode keeps absolute pool positions (`fill`, `end`) instead of chunk-relative
+        ones, and takes the pool's lock once per read, not twice when a read fills a chunk.
+        """
         pool = self.pool
         c = self.chunk
         if c is None:
             c = pool.take()
             if c is None:
                 return DRY
-            self.chunk, self.base, self.pos = c, c * self.csize, 0
-        start = self.base + self.pos
-        end = self.base + self.csize
+            self.chunk = c
+            start = self.fill = c * self.csize
+            end = self.end = start + self.csize
+        else:
+            start, end = self.fill, self.end
         if self.pending:
             n = len(self.pending)
             self.view[start : start + n] = self.pending
@@ -124,21 +133,25 @@ class Stream:
             n = self.recv(self.view[start:end])
             if not n:
                 return self.finish()
-            self.drained = start + n < end
-        with pool._lock:  # a token for one more reference on c; inlined, it runs per read
+        fill = start + n
+        self.drained = fill < end
+        lock = pool._lock
+        lock.acquire()
+        try:  # a token for the fragment (inlined pool.issue: this runs per read)
             t = pool._next_token
             pool._next_token = t + 1
-            pool._refs[c] += 1
             pool._tokens[t] = c
+            if fill < end:
+                pool._refs[c] += 1  # one more reference: the chunk stays current
+            else:
+                self.chunk = None  # full: the current reference becomes the token's
+        finally:
+            lock.release()
+        self.fill = fill
         seq = self.seq
         self.seq = seq + 1
         self.bytes += n
         self.net.rx_bytes += n
-        if start + n == end:
-            pool.unref(c)
-            self.chunk = None
-        else:
-            self.pos += n
         return make_frag(Frag, (pool.offset + start, n, t, self.stream, seq, None, True, pool))
 
     # ---- auto -------------------------------------------------------------------------
@@ -282,6 +295,24 @@ class Stream:
                 f"0x{h.crc:08x} (corrupted in transit)"
             )
         pool, pieces = self.pool, self.pieces
+        if len(pieces) == 1:  # a message within a chunk: one fragment (pool.issue, inlined)
+            c, pos, size = pieces[0]
+            lock = pool._lock
+            lock.acquire()
+            try:
+                t = pool._next_token
+                pool._next_token = t + 1
+                pool._tokens[t] = c
+            finally:
+                lock.release()
+            seq = self.seq
+            self.seq = seq + 1
+            out.append(
+                make_frag(Frag, (pool.offset + pos, size, t, self.stream, seq, h.seq, True, pool))
+            )
+            self.pieces = []
+            self.msg = None
+            return OK
         token = pool.issue([p[0] for p in pieces])
         last = len(pieces) - 1
         for i, (_, pos, size) in enumerate(pieces):
