@@ -74,7 +74,10 @@ def _wait_logged(path: Path, match, timeout: float = 60.0) -> dict:
             if match(ev):
                 return ev
         time.sleep(0.05)  # polling the host's own log, which it appends to
-    raise TimeoutError("event never logged; the log ends: " + ", ".join(json.loads(ln)["kind"] for ln in path.read_text().splitlines()[-15:]))
+    raise TimeoutError(
+        "event never logged; the log ends: "
+        + ", ".join(json.loads(ln)["kind"] for ln in path.read_text().splitlines()[-15:])
+    )
 
 
 def test_emfile_during_an_flr_leaves_the_vf_failed_not_resetting(make_host: MakeHost) -> None:

@@ -31,7 +31,6 @@ __all__ = [
 ]
 
 
-
 def __getattr__(name: str):
     # The guest library pulls in numpy and cloudpickle; the host CLI should not pay for them.
     if name in ("attach", "kernel"):

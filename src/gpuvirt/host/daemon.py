@@ -55,9 +55,7 @@ class Host:
             files=config.host.event_log_files,
         )
         self.sandbox = Sandbox.create(sandbox_settings(config))
-        self.device = make_device(
-            config.device.backend, self.sandbox, config.device.kernel_scratch
-        )
+        self.device = make_device(config.device.backend, self.sandbox, config.device.kernel_scratch)
         # On emu the device's CPU is the emulated GPU's: the host's own work (its loop, the
         # threads and sandboxes it starts) runs beside it, not on it, and takes no device
         # time from a VF. Only the scheduler thread joins it (host/sched.py).

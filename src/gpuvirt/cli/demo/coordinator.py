@@ -188,4 +188,3 @@ def _drive(run: Run, hp: Any, show: Callable[[Run], None]) -> None:
 def _netgpu_over(run: Run) -> bool:
     g = next((g for g in run.guests if g.role == "netgpu"), None)
     return g is None or g.eof or g.netgpu_over
-

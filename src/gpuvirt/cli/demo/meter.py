@@ -40,4 +40,3 @@ class ShareMeter:
     def shares(times: dict[int, float]) -> dict[int, float]:
         s = sum(times.values())
         return {i: (t / s if s else 0.0) for i, t in times.items()}
-
