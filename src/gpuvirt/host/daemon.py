@@ -56,12 +56,6 @@ class Host:
         )
         self.sandbox = Sandbox.create(sandbox_settings(config))
         self.device = make_device(config.device.backend, self.sandbox, config.device.kernel_scratch)
-        # On emu the device's CPU is the emulated GPU's: the host's own work (its loop, the
-        # threads and sandboxes it starts) runs beside it, not on it, and takes no device
-        # time from a VF. Only the scheduler thread joins it (host/sched.py).
-        others = os.sched_getaffinity(0) - (self.device.exec_cpus or set())
-        if self.device.exec_cpus and others:
-            os.sched_setaffinity(0, others)
         # Taken once: on cuda total_fb() is the free memory, which the VFs then use up.
         self.fb_total = config.effective_fb_total(self.device.total_fb(config.sriov.vf_num))
         plans = config.vf_layout(self.fb_total)
@@ -130,11 +124,26 @@ class Host:
         await self.admin.start()
         self.report.admin_where = self.admin.where
         self.spawn(self.report.sample_shares())
+        self._keep_off_device()
         self.events.emit(
             Category.HOST, "ready",
             f"mailbox {self.socket_path}, admin {self.admin.where}, scheduler thread at "
             f"{self.sched.priority}, loop at {self.loop_priority}", None,
         )  # fmt: skip
+
+    def _keep_off_device(self) -> None:
+        """On emu the device's CPU is the emulated GPU's: from now on the host's own work
+        (its loop, its threads, the sandboxes it spawns) runs beside it, not on it, and
+        takes no device time from a VF. Only the scheduler thread stays there. Not
+        before now: starting the VFs' engines may use every CPU, nothing runs yet."""
+        device = self.device.exec_cpus or set()
+        others = os.sched_getaffinity(0) - device
+        if not device or not others:
+            return
+        for task in os.listdir("/proc/self/task"):  # threads started later inherit it
+            if int(task) != self.sched.native_id:
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(int(task), others)
 
     async def serve_forever(self) -> None:
         assert self.loop is not None

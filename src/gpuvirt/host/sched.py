@@ -94,6 +94,10 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def native_id(self) -> int | None:
+        return self._thread.native_id
+
     def add(self, vf: int, engine: Engine, weight: float) -> Future[None]:
         return self._call(self._op_add, vf, engine, weight)
 
