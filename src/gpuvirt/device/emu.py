@@ -180,8 +180,7 @@ class EmuDevice(Device):
             engine = self._engine(spec, fb_fd, fault)
         # The next spare starts once this engine is up, not beside it: during an FLR the
         # CPU goes to finishing this start and to the neighbours, not to a second start.
-        # Nor does the FLR wait for it (a sandbox's spawn takes milliseconds).
-        engine.after_init = lambda: self._spares.refill_soon(key, spec)
+        engine.after_init = lambda: self._spares.refill(key, spec)
         return engine
 
     def _engine(

@@ -4,9 +4,7 @@ Starting an engine means an interpreter, imports and (on cuda) a CUDA context
 with its warm-up: hundreds of milliseconds to seconds, which an FLR or a fini
 would otherwise spend under the host's lifecycle lock. Both backends keep
 engines started with no VF (`SPARE`); `take` hands one the VF's FB
-(CTL_ADOPT), and the caller starts the next behind it with `refill`, or has
-the spares' own thread start it with `refill_soon` (an FLR does not wait for a
-sandbox's spawn).
+(CTL_ADOPT), and the caller starts the next behind it with `refill`.
 
 Unconfined, one spare serves any VF (key `ANY`). Confined, an engine has the
 uid and limits of the VF it was started for (device/sandbox/), so a spare
@@ -15,14 +13,11 @@ serves that VF only: one per VF, keyed by its index.
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from gpuvirt.device.base import EngineSpec
-from gpuvirt.errors import DeviceError
 
 SPARE = EngineSpec(vf=-1, fb_size=0)  # a spare's spec until it adopts a VF
 ANY = SPARE.vf  # the key of a spare any VF may adopt
@@ -48,8 +43,6 @@ class Spares(Generic[E]):
         # emu refills from the thread that ran the taker's INIT (EmuEngine.after_init)
         self._lock = threading.Lock()
         self._closed = False
-        self._asks: queue.SimpleQueue[tuple[int, EngineSpec] | None] = queue.SimpleQueue()
-        self._starter: threading.Thread | None = None
 
     def take(self, key: int, spec: EngineSpec, fb_fd: int, fault: bool) -> E | None:
         """The spare under `key`, now the engine of spec's VF; None when there is none
@@ -73,31 +66,7 @@ class Spares(Generic[E]):
                 old.kill()
             self._engines[key] = self._start(identity)
 
-    def refill_soon(self, key: int, identity: EngineSpec) -> None:
-        """`refill` on the spares' thread; the caller does not wait for the spawn.
-
-        One long-lived thread, not one per refill: an engine dies with the thread that
-        spawned it (PR_SET_PDEATHSIG, which bwrap --die-with-parent uses, follows the
-        parent thread, not its process)."""
-        with self._lock:
-            if self._closed:
-                return
-            if self._starter is None:
-                self._starter = threading.Thread(
-                    target=self._serve, name="gpuvirt-spares", daemon=True
-                )
-                self._starter.start()
-        self._asks.put((key, identity))
-
-    def _serve(self) -> None:
-        while (ask := self._asks.get()) is not None:
-            # A spare that cannot start now is no error: the next start of that VF's
-            # engine is then a cold one, and that start reports what is wrong.
-            with contextlib.suppress(OSError, DeviceError):
-                self.refill(*ask)
-
     def close(self) -> None:
-        self._asks.put(None)
         with self._lock:
             self._closed = True
             for engine in self._engines.values():
