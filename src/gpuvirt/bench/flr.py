@@ -9,7 +9,7 @@ and the end of the FLR, so the neighbours' share during it is exact.
 - neighbour_share_ratios: each neighbour's work rate during FLRs of VF0 (its
   kernels' own progress logs, cut at each FLR's start and end instants)
   against its own rate in a steady window before the hang; every one, each
-  on its own, must reach 0.95. One FLR now lasts ~10 ms, under two 6 ms
+  on its own, must reach 0.95. One FLR now lasts ~25-30 ms, a few 6 ms
   slices: whether a given neighbour's turn falls inside it is chance, so each
   round adds RESETS more FLRs of VF0 (admin resets, once its guest has left,
   RESET_GAP_S apart so each finds its spare engine ready) and the spans are
