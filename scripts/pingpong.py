@@ -29,12 +29,7 @@ def _recv(sock: socket.socket, buf: bytearray, window: PollWindow) -> int:
         except BlockingIOError:
             return None
 
-    start = time.monotonic_ns()
-    n = window.poll(now)
-    if n is None:
-        n = sock.recv_into(buf)
-        window.slept(time.monotonic_ns() - start)
-    return n
+    return window.wait(now, lambda: sock.recv_into(buf))
 
 
 def _echo(sock: socket.socket, cpu: int, limit_ns: int) -> None:

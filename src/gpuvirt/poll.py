@@ -72,6 +72,18 @@ class PollWindow:
                 since, cpu = now, time.thread_time_ns()
             os.sched_yield()
 
+    def wait(self, attempt: Callable[[], T | None], block: Callable[[], T]) -> T:
+        """What attempt() gets within the window, else what block() waits for; either
+        way the window learns from how long the wait took."""
+        start = time.monotonic_ns()
+        got = self.poll(attempt)
+        if got is not None:
+            return got
+        try:
+            return block()
+        finally:
+            self.slept(time.monotonic_ns() - start)
+
     def _yielded(self, on_cpu_ns: int, wall_ns: int) -> None:
         """A poll that yielded got its message: was the CPU shared meanwhile?"""
         if on_cpu_ns * 2 >= wall_ns:

@@ -115,12 +115,7 @@ class EngineLoop:
             self._poll.set_limit(st[Word.POLL_NS])
         if self.guest is None or st[Word.NOTIFY_IDLE]:
             return self._ep.poll()
-        start = time.monotonic_ns()
-        ready = self._poll.poll(self._ready_now)
-        if ready is None:
-            ready = self._ep.poll()
-            self._poll.slept(time.monotonic_ns() - start)
-        return ready
+        return self._poll.wait(self._ready_now, self._ep.poll)
 
     def _ready_now(self) -> list[tuple[int, int]] | None:
         return self._ep.poll(0) or None

@@ -210,10 +210,9 @@ class CommandQueue:
 
     def _recv(self, timeout: float | None) -> int:
         """One message into the receive buffer: polled for first, then waited for."""
-        start = time.monotonic_ns()
-        n = self._poll.poll(self._recv_now)
-        if n is not None:
-            return n
+        return self._poll.wait(self._recv_now, lambda: self._recv_blocking(timeout))
+
+    def _recv_blocking(self, timeout: float | None) -> int:
         # Most waits are long or unbounded and reuse the setting already there: no
         # syscall; only the last tick before a deadline is set to the time left.
         tick = 0.0 if timeout is None else max(min(timeout, RECV_TICK_S), 1e-3)
@@ -223,10 +222,7 @@ class CommandQueue:
                 socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(sec, int((tick - sec) * 1e6))
             )
             self._rcvtimeo = tick
-        try:
-            return self.channel.recv_into(self._rxbuf)
-        finally:
-            self._poll.slept(time.monotonic_ns() - start)
+        return self.channel.recv_into(self._rxbuf)
 
     def _recv_now(self) -> int | None:
         try:
