@@ -16,7 +16,7 @@ from gpuvirt.bench.common import machine, spread
 from gpuvirt.bench.flr import run as flr_run
 from gpuvirt.bench.scale import fb_memory, pss_bytes
 from gpuvirt.bench.sched import busy_windows, disagreement_pp, jain, shares
-from gpuvirt.bench.workers import spin_log, work_between
+from gpuvirt.bench.workers import CHECKPOINT_NS, device_ns, running_rate, spin_log, work_between
 from helpers import MakeHost
 
 MACHINE_KEYS = {"cpu", "cores", "kernel", "backend", "sandbox", "virt"}
@@ -51,6 +51,50 @@ def test_work_between_is_additive_and_never_negative(steps: list[int], cuts: lis
     assert ab >= 0 and bc >= 0
     assert ab + bc == ac
     assert work_between(progress, -1, 10**9) == progress[-1][1]
+
+
+def logged_run(rate: float, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The log spin_log writes for a kernel that runs at `rate` iterations per ns through
+    each (stopped ns, running ns) in turn: a checkpoint every CHECKPOINT_NS while it runs,
+    none while it is stopped, the next one as it resumes."""
+    log, t, n, nxt = [], 0, 0.0, 0
+    for stopped, running in runs:
+        t += stopped
+        end = t + running
+        while True:
+            nxt = max(nxt, t)
+            if nxt > end:
+                n += rate * (end - t)
+                t = end
+                break
+            n += rate * (nxt - t)
+            t = nxt
+            log.append((t, int(n)))
+            nxt = t + CHECKPOINT_NS
+    return log
+
+
+@given(
+    st.floats(0.5, 50.0),
+    st.lists(st.tuples(st.integers(0, 50_000_000), st.integers(1_000_000, 20_000_000)),
+             min_size=1, max_size=12),
+)  # fmt: skip
+def test_device_time_from_the_log_is_the_time_the_kernel_ran(
+    rate: float, runs: list[tuple[int, int]]
+) -> None:
+    """However long its stops, the device time read back from a kernel's log is the time it
+    ran, to within a checkpoint at each end of the window; and its rate is the one it ran at."""
+    log = logged_run(rate, runs)
+    got = running_rate(log, log[0][0], log[-1][0])
+    assert got is not None and abs(got - rate) <= rate * 0.01
+    ran = sum(r for _, r in runs)
+    est = device_ns(log, -1, log[-1][0] + 1, got)
+    assert abs(est - ran) <= 2 * CHECKPOINT_NS + ran * 0.01
+
+
+def test_no_rate_without_a_stretch_the_kernel_ran_through() -> None:
+    assert running_rate([(0, 0), (10 * CHECKPOINT_NS, 5)], 0, 10 * CHECKPOINT_NS) is None
+    assert device_ns([(0, 0), (10, 5)], 0, 10, 0.0) == 0.0
 
 
 def test_spin_log_is_a_cumulative_record_in_its_own_clock() -> None:

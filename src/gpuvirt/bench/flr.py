@@ -6,9 +6,10 @@ and the end of the FLR, so the neighbours' share during it is exact.
 
 - recover_ms: FLR start (the hang detected) to AVAIL, from the host's events;
   target ≤ cmd_timeout + 300 ms.
-- neighbour_share_ratios: each neighbour's work rate during FLRs of VF0 (its
-  kernels' own progress logs, cut at each FLR's start and end instants)
-  against its own rate in a steady window before the hang; every one, each
+- neighbour_share_ratios: each neighbour's share of the device during FLRs
+  of VF0 (its kernels' own progress logs cut at each FLR's start and end
+  instants: the work done there at the rate it ran uninterrupted then)
+  against its own share in a steady window before the hang; every one, each
   on its own, must reach 0.95. One FLR now lasts ~25-30 ms, a few 6 ms
   slices: whether a given neighbour's turn falls inside it is chance, so each
   round adds RESETS more FLRs of VF0 (admin resets, once its guest has left,
@@ -23,10 +24,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
 
 from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread
-from gpuvirt.bench.workers import Workers, busy_guest, hang_guest, work_between
+from gpuvirt.bench.sched import engine_ns
+from gpuvirt.bench.workers import Workers, busy_guest, hang_guest
 
 JOB_TIMEOUT_S = 1.0
 CMD_TIMEOUT_MS = 500
@@ -34,10 +35,6 @@ RESETS = 20  # more FLRs of VF0 per round, for spans long enough to share out
 # Apart by this much: the spare engine an FLR adopts is started after the previous FLR
 # and needs time to be ready; back to back, every FLR would start an engine cold.
 RESET_GAP_S = 0.5
-
-
-def _rate(report: Any, t0: int, t1: int) -> float:
-    return work_between(report.progress, t0, t1) / (t1 - t0) if t1 > t0 else 0.0
 
 
 def run(quick: bool = False, backend: str = "emu") -> Result:
@@ -83,13 +80,15 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
         idle_pct.append(100 * sum(b["idle_ns"] - a["idle_ns"] for a, b in spans) / flr_ns)
         lost_pct.append(100 * sum(b["lost_ns"] - a["lost_ns"] for a, b in spans) / flr_ns)
         flr_total_ms.append(flr_ns / 1e6)
-        # Each neighbour against itself: its kernels' work per ns during the FLRs over the
-        # same in the steady window before the hang; the scheduler's device time beside it.
+        # Each neighbour against itself: its share of the device during the FLRs (by its
+        # kernels' own log) over the same in the steady window before the hang; the
+        # scheduler's device time beside it.
         worst = []
         for vf in (1, 2):
             key = str(vf)
-            before = _rate(busy[vf], s0["monotonic_ns"], s1["monotonic_ns"])
-            during = sum(work_between(busy[vf].progress, a["monotonic_ns"], b["monotonic_ns"])
+            t0, t1 = s0["monotonic_ns"], s1["monotonic_ns"]
+            before = engine_ns(busy[vf], t0, t1) / (t1 - t0)
+            during = sum(engine_ns(busy[vf], a["monotonic_ns"], b["monotonic_ns"])
                          for a, b in spans) / flr_ns  # fmt: skip
             each.append(during / before if before else 0.0)
             worst.append(each[-1])
@@ -138,7 +137,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             ("hang detected → VF AVAIL (median round)", worst, "ms"),
             *[(f"  step {k}", v, "ms") for k, v in steps[-1].items()],
             ("guest: VFResetError → re-initialized", max(guest_ms), "ms"),
-            ("worst neighbour's work rate during FLR / before (engines)", ratio, "×"),
+            ("worst neighbour's device share during FLR / before (engines)", ratio, "×"),
             ("  each neighbour, every round (engines)", " ".join(f"{x:.3f}" for x in each), ""),
             (
                 "  each neighbour by the scheduler's accounting",

@@ -8,9 +8,12 @@ mailbox).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import multiprocessing as mp
 import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -31,14 +34,18 @@ CHECKPOINT_NS = 100_000
 
 
 def spin_log(xp: Any, seconds: float, checkpoint_ns: int = CHECKPOINT_NS) -> list[tuple[int, int]]:
-    """`spin`, returning its own progress: (CLOCK_MONOTONIC ns, iterations so far), about
+    """A busy kernel that ends once it has had `seconds` of the device (its own thread's
+    CPU time), returning its progress: (CLOCK_MONOTONIC ns, iterations so far), about
     every `checkpoint_ns` of wall time and at the end.
 
-    While its engine is stopped the kernel writes nothing, so the log is a step function
-    of the work the VF really got done: shares and lost time are read from it, not from
-    the scheduler's accounting of who was on the device.
+    A kernel is an amount of work, not of wall time: one timed by the wall clock ends
+    within nearly every slice of a VF that shares the device, and each end (result back,
+    next launch in, the VF yielding meanwhile) would count against sharing what is the
+    workload's own cost. While its engine is stopped the kernel writes nothing, so the
+    log is a step function of the work the VF really got done: shares and lost time are
+    read from it, not from the scheduler's accounting of who was on the device.
     """
-    end = time.monotonic_ns() + int(seconds * 1e9)
+    budget = time.thread_time_ns() + int(seconds * 1e9)
     log: list[tuple[int, int]] = []
     n = 0
     nxt = 0
@@ -47,20 +54,44 @@ def spin_log(xp: Any, seconds: float, checkpoint_ns: int = CHECKPOINT_NS) -> lis
         if now >= nxt:
             log.append((now, n))
             nxt = now + checkpoint_ns
-            if now >= end:
+            if time.thread_time_ns() >= budget:
                 return log
         n += 1
 
 
 def work_between(progress: list[tuple[int, int]], t0: int, t1: int) -> int:
     """Iterations done in [t0, t1] by a worker's cumulative progress log (see spin_log)."""
-    import bisect
 
     def at(t: int) -> int:
         i = bisect.bisect_right(progress, (t, float("inf"))) - 1
         return progress[i][1] if i >= 0 else 0
 
     return at(t1) - at(t0)
+
+
+# Checkpoints closer than this ran through: no stop (nor anything long) fell between them.
+THROUGH_NS = CHECKPOINT_NS * 3 // 2
+
+
+def running_rate(progress: list[tuple[int, int]], t0: int, t1: int) -> float | None:
+    """Iterations per ns while the kernels ran through, inside [t0, t1]: over the pairs of
+    consecutive checkpoints with no stop between them. None if there is no such pair."""
+    lo = bisect.bisect_left(progress, (t0, -1))
+    hi = bisect.bisect_right(progress, (t1, float("inf")))
+    work = ns = 0
+    for (ta, na), (tb, nb) in itertools.pairwise(progress[lo:hi]):
+        if tb - ta <= THROUGH_NS and nb > na:
+            work += nb - na
+            ns += tb - ta
+    return work / ns if ns else None
+
+
+def device_ns(progress: list[tuple[int, int]], t0: int, t1: int, rate: float) -> float:
+    """The device time a VF's kernels had in [t0, t1], by their own log: the work they did
+    there at `rate`, theirs while running through at about that time (running_rate). A
+    machine that runs slower for a while is then not taken for device time lost, and a
+    kernel's stop falling between two checkpoints counts only the part it ran."""
+    return work_between(progress, t0, t1) / rate if rate else 0.0
 
 
 SPIN_FOREVER = r"""
@@ -95,10 +126,10 @@ class WorkerReport:
     errors: list[str]
 
 
-def busy_guest(
-    conn: Connection, socket: str, vf: int, token: str, kernel_s: float, go_after: float = 0.0
-) -> None:
-    """Launch `spin` kernels back to back until the parent sends anything."""
+def busy_guest(conn: Connection, socket: str, vf: int, token: str, kernel_s: float) -> None:
+    """Launch `spin_log` kernels until the parent sends anything, two in flight: as a real
+    tenant queues its next kernel before the last one ends, so a kernel's end never leaves
+    the VF without work (a work-conserving policy would switch it out at once)."""
     import gpuvirt
 
     errors: list[str] = []
@@ -108,18 +139,25 @@ def busy_guest(
         k = gpuvirt.kernel(spin_log)
         gpu.launch(k, 0.0).result(timeout=30)
         conn.send("ready")
-        while not conn.poll():
+        inflight = deque([gpu.launch(k, kernel_s) for _ in range(IN_FLIGHT)])
+        while inflight:
             try:
-                log = gpu.launch(k, kernel_s).result(timeout=60)
+                log = inflight.popleft().result(timeout=60)
             except gpuvirt.GpuvirtError as e:
                 errors.append(f"{type(e).__name__}: {e}")
                 gpu.wait_ready(30)
-                continue
-            progress += [(t, work + n) for t, n in log]
-            work += log[-1][1]
-            launches += 1
+            else:
+                progress += [(t, work + n) for t, n in log]
+                work += log[-1][1]
+                launches += 1
+            if not conn.poll():
+                while len(inflight) < IN_FLIGHT:
+                    inflight.append(gpu.launch(k, kernel_s))
         conn.recv()
         conn.send(WorkerReport(vf, work, progress, launches, gpu.resets, errors))
+
+
+IN_FLIGHT = 2
 
 
 def hang_guest(conn: Connection, socket: str, vf: int, token: str) -> None:
