@@ -182,9 +182,9 @@ class Scheduler:
         ready = self._w.select(timeout)
         if ready:
             self.stats.wakeups += 1
-        for key, _ in ready:
-            self._culprit = key.data[1]
-            self._event(*key.data)
+        for kind, entry in ready:
+            self._culprit = entry
+            self._event(kind, entry)
         self._culprit = None
         self._run_ops()
 
@@ -241,9 +241,12 @@ class Scheduler:
                     self._exclusive_waiters.append((args[0], fut))
 
     def _pick(self, keep: Entry | None) -> Entry | None:
+        conserving = self.rules.work_conserving
         for e in self.entries.values():
             self._culprit = e
-            if self.rules.work_conserving and e.has_guest and e is not self.current:
+            # A VF with work queued needs no new rings counted to be picked (a drain per
+            # VF per switch was most of the syscalls a switch made).
+            if conserving and e.has_guest and e is not self.current and e.read_pending() == 0:
                 self._take_doorbell(e)
             e.read_pending()
         self._culprit = None

@@ -9,38 +9,48 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
+import select
 import threading
 from typing import Any
 
 from gpuvirt.device.status import Word
 from gpuvirt.host.sched_entry import Entry
 
+Data = tuple[str, Entry | None]  # what an fd wakes the thread for: (kind, VF)
+
 
 class Watches:
+    """A bare epoll and a dict, not `selectors`: this runs on the device's CPU at every
+    switch, and a selector's per-call bookkeeping is device time lost."""
+
     def __init__(self, work_conserving: bool) -> None:
-        self.sel = selectors.EpollSelector()
+        self._ep = select.epoll()
+        self._data: dict[int, Data] = {}
         self.lock = threading.Lock()
         # Only the work-conserving policies act on a drained queue or a new launch.
         self.work_conserving = work_conserving
 
     def add(self, fd: int, kind: str, e: Entry | None) -> None:
+        """Watch fd; KeyError if it is watched already."""
         with self.lock:
-            self.sel.register(fd, selectors.EVENT_READ, (kind, e))
+            if fd in self._data:
+                raise KeyError(fd)
+            self._ep.register(fd, select.EPOLLIN)
+            self._data[fd] = (kind, e)
 
     def discard(self, fd: int) -> None:
-        with self.lock, contextlib.suppress(KeyError, ValueError):
-            self.sel.unregister(fd)
+        with self.lock:
+            if self._data.pop(fd, None) is not None:
+                with contextlib.suppress(OSError):  # closed already: epoll forgot it
+                    self._ep.unregister(fd)
 
-    def select(self, timeout: float | None) -> list[tuple[selectors.SelectorKey, int]]:
-        return self.sel.select(timeout)
+    def select(self, timeout: float | None) -> list[Data]:
+        events = self._ep.poll(-1 if timeout is None else timeout)
+        return [self._data[fd] for fd, _ in events if fd in self._data]
 
     def describe(self) -> dict[str, list[Any]]:
         """fd -> [kind, vf]; the caller holds `lock`."""
-        return {
-            str(k.fd): [k.data[0], k.data[1].vf if k.data[1] else None]
-            for k in self.sel.get_map().values()
-        }
+        return {str(fd): [k, e.vf if e else None] for fd, (k, e) in self._data.items()}
 
     def idle(self, e: Entry) -> None:
         if self.work_conserving:
