@@ -139,20 +139,22 @@ def busy_guest(conn: Connection, socket: str, vf: int, token: str, kernel_s: flo
         k = gpuvirt.kernel(spin_log)
         gpu.launch(k, 0.0).result(timeout=30)
         conn.send("ready")
-        inflight = deque([gpu.launch(k, kernel_s) for _ in range(IN_FLIGHT)])
-        while inflight:
+        inflight: deque[Any] = deque()
+        while True:
             try:
+                if not conn.poll():  # once asked to stop, only the queued ones finish
+                    while len(inflight) < IN_FLIGHT:
+                        inflight.append(gpu.launch(k, kernel_s))
+                if not inflight:
+                    break
                 log = inflight.popleft().result(timeout=60)
-            except gpuvirt.GpuvirtError as e:
+            except gpuvirt.GpuvirtError as e:  # a reset: what was queued fails too
                 errors.append(f"{type(e).__name__}: {e}")
                 gpu.wait_ready(30)
-            else:
-                progress += [(t, work + n) for t, n in log]
-                work += log[-1][1]
-                launches += 1
-            if not conn.poll():
-                while len(inflight) < IN_FLIGHT:
-                    inflight.append(gpu.launch(k, kernel_s))
+                continue
+            progress += [(t, work + n) for t, n in log]
+            work += log[-1][1]
+            launches += 1
         conn.recv()
         conn.send(WorkerReport(vf, work, progress, launches, gpu.resets, errors))
 
