@@ -21,7 +21,8 @@ Data = tuple[str, Entry | None]  # what an fd wakes the thread for: (kind, VF)
 
 class Watches:
     """A bare epoll and a dict, not `selectors`: this runs on the device's CPU at every
-    switch, and a selector's per-call bookkeeping is device time lost."""
+    switch, where all it does is device time lost, and a selector's per-call bookkeeping
+    buys it nothing (measured: no change to be seen beside the wake-ups' own cost)."""
 
     def __init__(self, work_conserving: bool) -> None:
         self._ep = select.epoll()
