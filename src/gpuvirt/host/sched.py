@@ -244,11 +244,10 @@ class Scheduler:
         conserving = self.rules.work_conserving
         for e in self.entries.values():
             self._culprit = e
-            # A VF with work queued needs no new rings counted to be picked (a drain per
-            # VF per switch was most of the syscalls a switch made).
-            if conserving and e.has_guest and e is not self.current and e.read_pending() == 0:
+            # Only a VF with nothing queued needs its new rings counted to be picked.
+            if e.read_pending() == 0 and conserving and e.has_guest and e is not self.current:
                 self._take_doorbell(e)
-            e.read_pending()
+                e.read_pending()
         self._culprit = None
         nxt = self.rules.pick(self.entries, self.current, self.exclusive, time.monotonic_ns(), keep)
         assert nxt is None or isinstance(nxt, Entry)
