@@ -60,3 +60,21 @@ def test_bench_knobs_belong_to_their_bench() -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 2 and "--minutes is for `bench chaos`" in out.stderr + out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_chaos_a_fault_after_an_engine_kill_finds_its_vf_settled() -> None:
+    """The order that once failed in CI: an admin reset leaves an flr.done in the log,
+    an engine is SIGKILLed, and the next fault's attach came before the host had seen
+    the death (kill() returns first) and so met the FLR it started."""
+    import random
+
+    from gpuvirt.bench.chaos import Injector
+    from gpuvirt.bench.common import scratch_host
+
+    with scratch_host(sriov={"vf_num": 2}, reset={"guard_flr": "100/60s"}) as hp:
+        inj = Injector(hp, random.Random(0))
+        for i in range(8):
+            assert inj.admin_reset(1), (i, inj.describe(1))
+            assert inj.sigkill_engine(1), (i, inj.describe(1))
+            assert inj.guest_ftruncate(1), (i, inj.describe(1))

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import os
 import random
+import select
 import signal
 import time
 from collections import Counter
@@ -127,10 +128,26 @@ class Injector:
                     return True
         return False
 
+    def catch_up(self) -> None:
+        """Past every event so far: what wait_event sees next is the next fault's doing."""
+        while events := self.hp.admin.events(after=self.seq):
+            self.seq = max(self.seq, events[-1]["seq"])
+
     def sigkill_engine(self, vf: int) -> bool:
+        # kill() returns before the engine is dead, so until its pidfd says so the VF
+        # still looks AVAIL; and an FLR an earlier fault left in the log is not this one.
+        self.catch_up()
         pid = self.hp.admin.vf(vf)["engine_pid"]
-        with contextlib.suppress(ProcessLookupError):
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return False  # the engine of a settled VF is gone: the host missed a death
+        try:
             os.kill(pid, signal.SIGKILL)
+            if not select.select([pidfd], [], [], SETTLE_S)[0]:
+                return False
+        finally:
+            os.close(pidfd)
         # The host notices the death and resets the VF: a fresh engine, or quarantine
         # when the earlier faults' FLRs have filled the guard's window.
         return self.wait_event(vf, ("flr.done", "guard.trip")) and self.settle(vf)
