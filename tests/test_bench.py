@@ -125,7 +125,8 @@ def test_netgpu_result_judges_every_mode_and_stream_count() -> None:
     trials = [
         {"mode": mode, "path": path, "streams": n, "rep": rep,
          "gbytes_per_s": 2.0 if path != "zerocopy" else 2.0 * (0.9 if mode == "raw" else 1.0),
-         "cpu_s_per_gb": 0.1 if path != "zerocopy" else 0.1 * (1.0 + 0.01 * n)}
+         "cpu_s_per_gb": 0.1 if path != "zerocopy" else 0.1 * (1.0 + 0.01 * n),
+         **({"fragments_per_gb": 1000.0 * n} if path == "zerocopy" else {})}
         for rep in range(3) for mode in netgpu.MODES for n in netgpu.STREAMS
         for path in netgpu.PATHS
     ]  # fmt: skip
@@ -134,6 +135,8 @@ def test_netgpu_result_judges_every_mode_and_stream_count() -> None:
     assert {row["streams"] for row in r["rows"]} == {1, 2, 4}
     assert r["throughput_ratio"] == pytest.approx(0.9)  # the raw-mode rows, the worst
     assert r["cpu_ratio"] == pytest.approx(1.04)  # 4 streams, the worst
+    assert {row["streams"]: row["fragments_per_gb"] for row in r["rows"]
+            if row["path"] == "zerocopy"} == {1: 1000, 2: 2000, 4: 4000}  # fmt: skip
     assert r["rounds"] == 3 and set(r["machine"]) >= MACHINE_KEYS
     assert_spread(r["spread"], r)
     assert r["targets"]["throughput_ratio"]["met"] is False
@@ -225,6 +228,7 @@ def test_netgpu_trials_take_every_stream_count_on_every_path(make_host: MakeHost
                 for path in netgpu.PATHS:
                     t = netgpu._trial(paths, parent, mode, path, max(netgpu.STREAMS), 8 << 20, 0)
                     assert t["gbytes_per_s"] > 0 and t["cpu_s_per_gb"] >= 0
+                    assert (t.get("fragments_per_gb", 0) > 0) == (path == "zerocopy"), t
     finally:
         parent.send(None)
         sender.join(10)

@@ -162,6 +162,15 @@ def recv(
     timeout: Annotated[
         float, typer.Option(help="A stream that sends nothing this many seconds fails.")
     ] = 60.0,
+    coalesce_ms: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=1000,
+            help="Raw streams: a read waits up to this long for its chunk to fill (bulk "
+            "transfers: one fragment per chunk); 0: every read is a fragment at once.",
+        ),
+    ] = 0.0,
     config: ConfigOpt = None,
 ) -> None:
     """Serve streams into a VF's FB; report each as it ends (and its sha256 with --verify)."""
@@ -195,7 +204,7 @@ def recv(
             kind = {None: "raw or framed (detected)", False: "raw", True: "framed"}[mode]
             want = f"{streams} {kind} stream(s)" if streams else f"{kind} streams until stopped"
             _say(f"listening on {host}:{port} for {want}")
-            server = _Server(p, listener, mode, crc, verify, streams, at_once, timeout)
+            server = _Server(p, listener, mode, crc, verify, streams, at_once, timeout, coalesce_ms)
             failed = server.serve()
     except GpuvirtError as e:
         raise fail(str(e)) from None
@@ -219,9 +228,11 @@ class _Server:
     """Accepts connections and receives each in its own thread, at most `at_once` at a time."""
 
     def __init__(self, pool: Pool, listener: socket.socket, mode: bool | None, crc: bool,
-                 verify: bool, limit: int, at_once: int, timeout: float) -> None:  # fmt: skip
+                 verify: bool, limit: int, at_once: int, timeout: float,
+                 coalesce_ms: float) -> None:  # fmt: skip
         self.pool, self.listener, self.mode, self.crc = pool, listener, mode, crc
         self.verify, self.limit, self.at_once, self.timeout = verify, limit, at_once, timeout
+        self.coalesce_ms = coalesce_ms
         self.slots = threading.BoundedSemaphore(at_once)
         self.tally = _Tally()
         self.live: set[Rx] = set()
@@ -302,7 +313,8 @@ class _Server:
         t0 = time.perf_counter()
         try:
             rx = self.pool.receive(conn, framed=self.mode, crc=True if self.crc else None,
-                                   stream=k, timeout=self.timeout)  # fmt: skip
+                                   stream=k, timeout=self.timeout,
+                                   coalesce_ms=self.coalesce_ms)  # fmt: skip
             # several streams share the pool: each may hold a message of its share only
             rx.max_message = min(
                 rx.max_message, self.pool.nchunks // self.at_once * self.pool.chunk

@@ -153,6 +153,7 @@ class Pool:
         crc: bool | None = None,
         stream: int = 0,
         timeout: float | None = None,
+        coalesce_ms: float = 0.0,
     ) -> Rx:
         """Receive one TCP stream into the pool; iterate the result for Frags.
 
@@ -161,9 +162,14 @@ class Pool:
         check messages whose header carries a crc32, True = also refuse those
         without one, False = never read payload bytes. The Rx owns `sock` and
         closes it when the stream ends. `stream` names a raw stream (framed
-        streams carry their id in the header).
+        streams carry their id in the header). coalesce_ms: a raw stream read alone
+        waits up to this long for each chunk to fill, so a bulk stream costs one
+        fragment per chunk (0: each read is a fragment as soon as it lands; see
+        Rx.coalesce).
         """
-        rx = self._rx_class()(self, framed=framed, crc=crc, timeout=timeout, streams=1)
+        rx = self._rx_class()(
+            self, framed=framed, crc=crc, timeout=timeout, streams=1, coalesce_ms=coalesce_ms
+        )
         rx.add_socket(sock, stream=stream)
         return self._track(rx)
 
@@ -176,12 +182,14 @@ class Pool:
         crc: bool | None = None,
         timeout: float | None = None,
         max_message: int | None = None,
+        coalesce_ms: float = 0.0,
     ) -> Rx:
         """Accept `streams` TCP connections on `addr` and receive them all into the pool.
 
         The socket is listening when this returns (`rx.address` has the port).
         Raw streams are numbered in accept order. A framed message may be at
         most `max_message` bytes, by default the pool's share per stream.
+        coalesce_ms as for `receive`: it applies while one stream is read alone.
         """
         if streams < 1:
             raise NetGPUError(f"streams = {streams}: need at least one")
@@ -190,7 +198,10 @@ class Pool:
                 f"streams = {streams}: a pool of {self.nchunks} chunks can serve at most "
                 f"{self.nchunks} streams (each fills a chunk of its own)"
             )
-        rx = self._rx_class()(self, framed=framed, crc=crc, timeout=timeout, streams=streams)
+        rx = self._rx_class()(
+            self, framed=framed, crc=crc, timeout=timeout, streams=streams,
+            coalesce_ms=coalesce_ms,
+        )  # fmt: skip
         if max_message is not None:
             rx.max_message = min(max_message, rx.max_message)
         rx.listen(addr)

@@ -22,13 +22,13 @@ import contextlib
 import os
 import select
 import socket
-import struct
 import threading
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
 from gpuvirt.errors import GpuvirtError
+from gpuvirt.netgpu.coalesce import Coalescer, set_rcvtimeo
 from gpuvirt.netgpu.errors import NetGPUError, RxError, StreamError
 from gpuvirt.netgpu.frag import Frag
 from gpuvirt.netgpu.stream import BLOCKED, DRY, OK, Stream
@@ -52,9 +52,11 @@ class Rx:
         crc: bool | None,
         timeout: float | None,
         streams: int,
+        coalesce_ms: float = 0.0,
     ) -> None:
         if framed is False and crc:
             raise NetGPUError("crc=True needs framed mode; a raw stream carries no checksum")
+        self._coalesce = Coalescer(coalesce_ms, pool.chunk, streams)
         self.pool = pool
         self.framed = framed
         self.crc = crc
@@ -145,6 +147,10 @@ class Rx:
 
     def _read_error(self, s: Stream, e: OSError) -> int:
         if isinstance(e, BlockingIOError):
+            if s.idle_poll is not None:  # a coalescing period with nothing: wait for data
+                if not s.idle_poll.poll(None if self.timeout is None else self.timeout * 1e3):
+                    raise self._timeout() from None
+                return BLOCKED
             if s.blocking:  # SO_RCVTIMEO ran out
                 raise self._timeout() from None
             s.drained = True
@@ -203,14 +209,17 @@ class Rx:
         self._unregister(s)
         s.sock.setblocking(True)
         if self.timeout is not None:  # the kernel's timeout: Python's own polls before each read
-            sec = int(self.timeout)
-            tv = struct.pack("ll", sec, int((self.timeout - sec) * 1e6))
-            s.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            set_rcvtimeo(s.sock, self.timeout)
         s.blocking = True
         s.wait_all = socket.MSG_WAITALL
+        self.coalesce(s)
         self._hot.clear()
         self._solo = s
         return s
+
+    def coalesce(self, s: Stream) -> None:
+        """`s` is read alone now, or turned out raw while it was (coalesce.py)."""
+        self._coalesce.solo(s)
 
     def _wait_dry(self) -> None:
         """Block until a release frees a chunk; the solo stream's socket stays unread meanwhile."""
@@ -235,12 +244,14 @@ class Rx:
                 return
             for s in dry:  # a dry stream must not wake us just for being readable
                 self._unregister(s)
+        co = self._coalesce
+        wait = co.poll_timeout(self._live, -1 if self.timeout is None else self.timeout)
         try:
-            events = self._epoll.poll(-1 if self.timeout is None else self.timeout)
+            events = self._epoll.poll(wait)
         finally:
             if dry:
                 pool.unwait(self._wake)
-        if not events:
+        if not co.after_poll(self._all, hot, bool(events)):
             raise self._timeout()
         for fd, _ in events:
             if fd == self._wake:
@@ -295,6 +306,7 @@ class Rx:
         self._register(s)
         self._hot.append(s)
         self._live += 1
+        self._coalesce.added(s)
 
     def _register(self, s: Stream) -> None:
         if not s.done and not s.registered and not s.blocking:

@@ -21,6 +21,7 @@ crc32 when the header asks for one and the receiver agreed to check it.
 
 from __future__ import annotations
 
+import select
 import socket
 import zlib
 from collections import deque
@@ -63,6 +64,11 @@ class Stream:
         # framed reads on a blocking socket wait for the whole piece in the kernel: one
         # syscall per piece instead of one per arriving burst (delivery waits for it anyway)
         self.wait_all = 0
+        # raw mode, coalescing (Rx.coalesce): MSG_WAITALL, bounded by SO_RCVTIMEO, and
+        # the poll that waits out an idle stream once a period passed with nothing
+        self.raw_flags = 0
+        self.idle_poll: select.poll | None = None
+        self.lowat = False  # several streams, coalescing: epoll says when a chunk's worth is in
         self.drained = False  # the last read got less than it asked for: ask epoll first
         self.bytes = 0  # payload bytes
         self.seq = 0  # fragments handed out
@@ -99,6 +105,8 @@ class Stream:
         self.stream_known = True
         self.raw = True
         self.pump = self._pump_raw
+        if self.blocking:
+            self.rx.coalesce(self)
 
     def _pump_raw(self, out: deque[Frag]) -> int:
         got = self.read_raw()
@@ -130,11 +138,11 @@ class Stream:
             self.view[start : start + n] = self.pending
             self.pending = b""
         else:
-            n = self.recv(self.view[start:end])
+            n = self.recv(self.view[start:end], 0, self.raw_flags)
             if not n:
                 return self.finish()
         fill = start + n
-        self.drained = fill < end
+        self.drained = self.lowat or fill < end
         lock = pool._lock
         lock.acquire()
         try:  # a token for the fragment (inlined pool.issue: this runs per read)
