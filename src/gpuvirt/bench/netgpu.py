@@ -47,7 +47,7 @@ POOL = 64 << 20
 MESSAGE = 1 << 20  # framed path's message size
 SEND_BLOCK = 4 << 20
 WARMUP = 32 << 20
-COALESCE_MS = 1.0  # zerocopy raw: a read waits this long (a kernel tick, at least) for its chunk
+COALESCE_MS = 1.0  # zerocopy: a read waits this long (a kernel tick, at least) for its chunk
 TARGET_THROUGHPUT = 0.97
 TARGET_CPU = 1.05
 

@@ -57,7 +57,8 @@ class Coalescer:
         self.sweep_at = 0.0
 
     def solo(self, s: Stream) -> None:
-        """`s` is raw and read alone, blocking: each read waits for its chunk."""
+        """`s` is read alone now, blocking: no low-water mark, and if raw, each read
+        waits in recv for its chunk (framed reads already wait for their piece)."""
         if s.lowat:  # read alone it waits in recv, not for epoll
             s.lowat = False
             _set_lowat(s, 1)
