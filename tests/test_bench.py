@@ -22,6 +22,7 @@ from gpuvirt.bench.workers import (
     device_ns,
     running_rate,
     spin_log,
+    switch_gaps,
     work_between,
 )
 from helpers import MakeHost
@@ -99,6 +100,38 @@ def test_device_time_from_the_log_is_the_time_the_kernel_ran(
     ran = sum(r for _, r in runs)
     est = device_ns(log, -1, log[-1][0] + 1, got)
     assert abs(est - ran) <= 2 * CHECKPOINT_NS + ran * 0.01
+
+
+@given(
+    st.lists(st.floats(0.5, 50.0), min_size=3, max_size=3),
+    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2_000_000),
+                       st.integers(1_000_000, 8_000_000)),
+             min_size=2, max_size=16),
+)  # fmt: skip
+def test_switch_gaps_from_the_logs_are_the_times_between_two_vfs_turns(
+    rates: list[float], turns: list[tuple[int, int, int]]
+) -> None:
+    """VFs take turns on one device, each (vf, gap before it, running ns): the switches
+    read back from their kernels' logs are the gaps between two turns of different VFs,
+    each to within the rate's error over a checkpoint."""
+    turns = [t for i, t in enumerate(turns) if i == 0 or t[0] != turns[i - 1][0]]
+    runs: dict[int, list[tuple[int, int]]] = {0: [], 1: [], 2: []}
+    last_end, t = dict.fromkeys(runs, 0), 0
+    expected = []
+    for i, (vf, gap, running) in enumerate(turns):
+        t += gap
+        if i:
+            expected.append(gap)
+        runs[vf].append((t - last_end[vf], running))
+        t += running
+        last_end[vf] = t
+    logs = {vf: logged_run(rates[vf], r) for vf, r in runs.items() if r}
+    for vf, log in logs.items():  # as spin_log, a last checkpoint where the kernel ends
+        log.append((last_end[vf], int(rates[vf] * sum(run for _, run in runs[vf]))))
+    got = switch_gaps(logs, -1, t + 1)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert abs(g - e) <= 0.02 * CHECKPOINT_NS, (got, expected)
 
 
 def test_no_rate_without_a_stretch_the_kernel_ran_through() -> None:

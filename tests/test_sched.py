@@ -17,7 +17,7 @@ from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.errors import StateError
 from gpuvirt.host.sched_entry import MAX_QUEUED
-from helpers import MakeHost
+from helpers import MakeHost, hold_fullaccess
 
 pytestmark = pytest.mark.timeout(180)
 SAMPLES = 150_000
@@ -140,4 +140,32 @@ def test_a_guest_flooding_its_doorbell_cannot_make_the_scheduler_spin(make_host:
     woke, switched = b["wakeups"] - a["wakeups"], b["switches"] - a["switches"]
     assert woke <= 3 * switched + 50, (woke, switched)
     assert b["vfs"]["1"]["pending"] <= MAX_QUEUED
+    assert busy.errors == [] and busy.launches > 0
+
+
+def test_a_drained_vf_in_fullaccess_does_not_make_the_scheduler_spin(
+    make_host: MakeHost,
+) -> None:
+    """VF0 holds FULLACCESS with nothing to run while VF1 waits with work: VF0 keeps the
+    device (it is exclusive), and its being drained must not wake the scheduler again and
+    again (it once did: a wake-up per pass, the thread never slept)."""
+    slice_ms = 6
+    hp = make_host(
+        scheduler={"policy": "liquid", "time_slice_ms": slice_ms, "fullaccess_timeout_ms": 60_000}
+    )
+    with Workers() as w:
+        w.start(busy_guest, str(hp.socket), 1, hp.token(1), 0.02)
+        w.wait_ready()
+        held = hold_fullaccess(hp, 0)
+        try:
+            a = hp.admin.request("GET", "/sched")
+            time.sleep(0.5)  # a window of the exclusive VF's slices
+            b = hp.admin.request("GET", "/sched")
+        finally:
+            held.close()
+        (busy,) = w.stop()
+    assert a["current"] == b["current"] == 0
+    slices = (b["elapsed_ns"] - a["elapsed_ns"]) / (slice_ms * 1e6)
+    woke = b["wakeups"] - a["wakeups"]
+    assert woke <= 3 * slices + 50, (woke, slices)
     assert busy.errors == [] and busy.launches > 0

@@ -94,6 +94,35 @@ def device_ns(progress: list[tuple[int, int]], t0: int, t1: int, rate: float) ->
     return work_between(progress, t0, t1) / rate if rate else 0.0
 
 
+def switch_gaps(logs: dict[int, list[tuple[int, int]]], t0: int, t1: int) -> list[float]:
+    """The world switches inside [t0, t1] as the kernels saw them, in ns: from the last
+    instruction one VF ran before it was stopped to the first the next VF ran after.
+
+    Each log is cut into the stretches it ran through (no checkpoint gap over
+    THROUGH_NS). A stretch starts at its first checkpoint (the first iteration after a
+    resume logs at once) and ends where its work, at the VF's running rate, ran out
+    before the gap; consecutive stretches of two different VFs, in time order, are a
+    switch. Gaps inside one VF's log (between two of its kernels) are not.
+    """
+    stretches: list[tuple[float, float, int]] = []
+    for vf, p in logs.items():
+        rate = running_rate(p, t0, t1)
+        if not rate:
+            continue
+        start = p[0][0]
+        for (ta, na), (tb, nb) in itertools.pairwise(p):
+            if tb - ta > THROUGH_NS:
+                stretches.append((start, ta + (nb - na) / rate, vf))
+                start = tb
+        stretches.append((start, p[-1][0], vf))  # the log's last checkpoint is its end
+    stretches.sort()
+    return [
+        b_start - a_end
+        for (_, a_end, a_vf), (b_start, _, b_vf) in itertools.pairwise(stretches)
+        if a_vf != b_vf and t0 <= a_end and b_start <= t1
+    ]
+
+
 SPIN_FOREVER = r"""
 extern "C" __global__ void spin_forever(volatile int *flag) { while (*flag == 0) { } }
 """  # volatile: without it the compiler may drop the loop

@@ -92,26 +92,64 @@ class Engine(abc.ABC):
     # Cooperative engines stop at kernel boundaries: the wait for IDLE's acknowledgement
     # is the outgoing VF's own time (its kernel is still running), not switch overhead.
     cooperative = False
+    # IDLE may be posted (post_idle): issued, with its stop confirmed later. Only a backend
+    # whose engine cannot execute while the thread that posts runs says so (emu).
+    can_post = False
 
     def __init__(self, spec: EngineSpec, status: StatusArea) -> None:
         self.spec = spec
         self.status = status
         self.last = WSCommand.SHUTDOWN_GPU
         self.deadline: float | None = None  # set while a command is in flight
+        self.limit = 0.0  # that command's timeout, in seconds
         self.timed_out = False  # the watchdog killed it for overrunning a command
+        self.posted = False  # an IDLE posted and its stop not yet confirmed (settle)
 
     def command(self, cmd: WSCommand, timeout: float) -> float:
         """Run one world-switch command; return its duration in seconds."""
-        if self.last not in LEGAL_AFTER[cmd]:
-            raise StateError(
-                f"VF{self.spec.vf}: world-switch {cmd.name} is illegal after {self.last.name}"
-            )
+        self._check_order(cmd)
         t0 = time.monotonic()
-        self.deadline = t0 + timeout
+        self.settle()
+        self.deadline, self.limit = t0 + timeout, timeout
         getattr(self, _STEP[cmd])(timeout)
         self.deadline = None
         self.last = cmd
         return time.monotonic() - t0
+
+    def post_idle(self, timeout: float) -> float:
+        """IDLE and SAVE without waiting for the stop to land; return the time to issue.
+
+        settle() confirms the stop, and every later command settles first. The stop
+        keeps its deadline meanwhile: the watchdog kills an engine that overruns it.
+        """
+        assert self.can_post, "post_idle on a backend that cannot post"
+        self._check_order(WSCommand.IDLE_GPU)
+        t0 = time.monotonic()
+        self.deadline, self.limit = t0 + timeout, timeout
+        self._post_idle()
+        self.posted = True
+        self.last = WSCommand.SAVE_GPU_STATE  # SAVE copies nothing on a backend that posts
+        return time.monotonic() - t0
+
+    def settle(self, block: bool = True) -> bool:
+        """Confirm a posted IDLE: True once the engine has stopped (at once if none is
+        posted), False while it has not (block=False). Raises as IDLE would."""
+        if not self.posted:
+            return True
+        try:
+            if not self._idle_landed(block):
+                return False
+        except DeviceError:
+            self.posted, self.deadline = False, None
+            raise
+        self.posted, self.deadline = False, None
+        return True
+
+    def _check_order(self, cmd: WSCommand) -> None:
+        if self.last not in LEGAL_AFTER[cmd]:
+            raise StateError(
+                f"VF{self.spec.vf}: world-switch {cmd.name} is illegal after {self.last.name}"
+            )
 
     @property
     def running(self) -> bool:
@@ -149,6 +187,14 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def _do_idle(self, timeout: float) -> None: ...
+
+    def _post_idle(self) -> None:
+        """Issue IDLE (only where can_post)."""
+        raise NotImplementedError
+
+    def _idle_landed(self, block: bool) -> bool:
+        """Whether a posted IDLE has landed, waiting for it if `block` (where can_post)."""
+        raise NotImplementedError
 
     def _do_save(self, timeout: float) -> None:
         """Contexts live in the engine process; nothing to copy out on these backends."""

@@ -28,10 +28,15 @@ from gpuvirt.device.memfd import punch_hole, sealed_memfd
 from gpuvirt.device.process import ProcessEngine
 from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.spare import ANY, SPARE, Spares
+from gpuvirt.errors import DeviceError
 from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU
 
 
 class EmuEngine(ProcessEngine):
+    # Engines run only on the device's one CPU and cannot move (seccomp): a stop
+    # posted to one lands before the next engine's first instruction (host/sched_post.py).
+    can_post = True
+
     def __init__(
         self,
         spec: EngineSpec,
@@ -48,6 +53,7 @@ class EmuEngine(ProcessEngine):
         self._watchdog = watchdog
         self._cpus, self._others = cpus
         self.after_init: Callable[[], None] | None = None
+        self._boosted = False  # raised to take a stop (_post_idle) and not yet lowered
         watchdog.add(self)
         # Starting (an interpreter, numpy) happens off the device's CPU where there is
         # another: there it would delay the stop of whichever VF is running.
@@ -69,41 +75,62 @@ class EmuEngine(ProcessEngine):
     def _reaped_cleanup(self) -> None:
         self._watchdog.discard(self)
 
-    def _wait_stopped(self, timeout: float) -> None:
-        """Block until the stop the last SIGSTOP asked for (or a fresh engine's own) lands.
+    def _wait_stopped(self, block: bool = True) -> bool:
+        """Whether the stop the last SIGSTOP asked for (or a fresh engine's own) has
+        landed; with `block`, wait until it has.
 
         The deadline is the watchdog's business (device/base.py): it kills an engine
         that overruns, and the exit ends this wait.
         """
-        if self._proc.wait_stopped():
-            return
+        stopped = self._proc.wait_stopped() if block else self._proc.poll_stopped()
+        if stopped is None:
+            return False
+        if stopped:
+            return True
         if self.timed_out:
             raise CommandTimeout(
                 f"VF{self.spec.vf}: engine pid {self.pid} did not stop within "
-                f"{timeout * 1000:.0f} ms"
+                f"{self.limit * 1000:.0f} ms"
             )
         raise EngineDied(f"VF{self.spec.vf}: engine pid {self.pid} exited")
 
     def _do_init(self, timeout: float) -> None:
-        self._wait_stopped(timeout)
-        # Started anywhere (engines start in parallel), run on the device's CPU.
-        os.sched_setaffinity(self.pid, self._cpus)
+        self._wait_stopped()
+        # Started anywhere (engines start in parallel), run on the device's CPU, every
+        # thread: a posted IDLE (host/sched.py) relies on none running beside the host.
+        for tid in _tasks(self.pid):
+            os.sched_setaffinity(tid, self._cpus)
         if self.after_init is not None:
             self.after_init()
             self.after_init = None
 
     def _do_idle(self, timeout: float) -> None:
+        self._post_idle()
+        self._idle_landed(block=True)
+
+    def _post_idle(self) -> None:
         # A stop lands only once the engine runs again to take it, and on a CPU shared with
         # other work the engine (which has just had the CPU) queues behind everyone else:
-        # milliseconds per switch. Just above every normal task it takes the stop at once;
-        # stopped, it keeps its normal policy for when it runs again.
-        boosted = _set_policy(self.pid, os.SCHED_FIFO, STOP_PRIORITY)
+        # milliseconds per switch. Just above every normal task it takes the stop at once
+        # (before the next VF's engine, continued meanwhile, gets the CPU); stopped, it
+        # gets its normal policy back for when it runs again.
+        self._boosted = _set_policy(self.pid, os.SCHED_FIFO, STOP_PRIORITY)
         self._signal(signal.SIGSTOP)
+
+    def _idle_landed(self, block: bool) -> bool:
         try:
-            self._wait_stopped(timeout)
-        finally:
-            if boosted:
-                _set_policy(self.pid, os.SCHED_OTHER, 0)
+            landed = self._wait_stopped(block)
+        except DeviceError:
+            self._unboost()
+            raise
+        if landed:
+            self._unboost()
+        return landed
+
+    def _unboost(self) -> None:
+        if self._boosted:
+            _set_policy(self.pid, os.SCHED_OTHER, 0)
+            self._boosted = False
 
     def _do_run(self, timeout: float) -> None:
         self._signal(signal.SIGCONT)
@@ -119,6 +146,13 @@ class EmuEngine(ProcessEngine):
 
 
 STOP_PRIORITY = 1  # SCHED_FIFO, below the scheduler thread's (host/sched.py)
+
+
+def _tasks(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return [pid]  # gone: the affinity call says so
 
 
 def _set_policy(pid: int, policy: int, priority: int) -> bool:

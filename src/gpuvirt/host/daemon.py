@@ -141,9 +141,8 @@ class Host:
         if not device or not others:
             return
         for task in os.listdir("/proc/self/task"):  # threads started later inherit it
-            if int(task) != self.sched.native_id:
-                with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                    os.sched_setaffinity(int(task), others)
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(task), others)
 
     async def serve_forever(self) -> None:
         assert self.loop is not None

@@ -124,8 +124,14 @@ class Rules:
         """Work-conserving: a running VF with nothing pending gives the device up."""
         return self.work_conserving and exclusive is None and cur.pending == 0
 
-    def others_waiting(self, cur: Account, accounts: Iterable[Account]) -> bool:
-        """Whether any other VF has work (then the running one should say when it drains)."""
+    def others_waiting(
+        self, cur: Account, accounts: Iterable[Account], exclusive: int | None
+    ) -> bool:
+        """Whether any other VF has work the running one should make way for when it drains
+        (then it should say so). Under FULLACCESS none does: the running VF keeps the
+        device drained or not, and a drained one would wake the scheduler for nothing."""
+        if exclusive is not None:
+            return False
         return any(
             a is not cur and a.has_guest and not a.faulted and a.pending > 0 for a in accounts
         )

@@ -6,7 +6,9 @@ on the asyncio loop never delays a switch. The loop talks to it only through
 results come back as concurrent futures. What to run and when a slice ends is
 decided by host/policy.py from numbers this thread reads for it.
 
-A switch is IDLE(A) SAVE(A) LOAD(B) RUN(B) (device/base.py checks the order).
+A switch is IDLE(A) SAVE(A) LOAD(B) RUN(B) (device/base.py checks the order);
+on emu A's stop is posted and confirmed at the next wake-up (host/sched_post.py).
+The thread runs beside the device's CPU, not on it, where there is another.
 Between switches the thread sleeps in epoll (host/watch.py) on its wake fd,
 every engine's exit fd, the running engine's idle fd and, for the
 work-conserving policies, the doorbells of waiting VFs with no work yet.
@@ -34,6 +36,7 @@ from gpuvirt.errors import DeviceError
 from gpuvirt.host.policy import Policy, Rules
 from gpuvirt.host.priority import raise_priority
 from gpuvirt.host.sched_entry import Entry, SchedStats
+from gpuvirt.host.sched_post import PostedStops
 from gpuvirt.host.watch import Watches, drain
 
 IDLE_WAKES_MAX = 4  # idle signals a running engine may send per slice
@@ -73,6 +76,7 @@ class Scheduler:
         self._w = Watches(self.rules.work_conserving)
         self._w.add(self._wake, "wake", None)
         self._exclusive_waiters: list[tuple[int, Future[None]]] = []
+        self._posts = PostedStops(self.cmd_timeout, self.stats)
         self._stopping = False
         self._repick = True
         self._slice_end = 0
@@ -139,7 +143,12 @@ class Scheduler:
     def _main(self) -> None:
         self.priority = raise_priority()
         if self.cpus:
-            os.sched_setaffinity(0, self.cpus)  # this thread only: beside the engines
+            # Beside the engines' CPU, not on it: this thread's work (two wake-ups a
+            # switch once, now one) is then not device time, and a posted stop
+            # (host/sched_post.py) needs no wake-up of its own there.
+            self._posts.one_cpu = len(self.cpus) == 1
+            others = os.sched_getaffinity(0) - self.cpus
+            os.sched_setaffinity(0, others or self.cpus)
         while not self._stopping:
             try:
                 self._step()
@@ -148,6 +157,8 @@ class Scheduler:
                     self._contain(exc)
 
     def _step(self) -> None:
+        if self._posts:
+            self._posts.settle_landed(self._idle_failed)
         now = time.monotonic_ns()
         cur = self.current
         if cur is not None:
@@ -273,12 +284,16 @@ class Scheduler:
         if cur is None or not self.rules.work_conserving:
             return
         self._culprit = cur
-        others = self.rules.others_waiting(cur, list(self.entries.values()))
+        others = self.rules.others_waiting(cur, list(self.entries.values()), self.exclusive)
         cur.engine.status[Word.NOTIFY_IDLE] = 1 if others else 0
         if others:
             self._take_doorbell(cur)
             if cur.read_pending() == 0:
                 os.eventfd_write(self._wake, 1)  # drained before the flag was up
+
+    def _idle_failed(self, e: Entry, detail: str) -> None:
+        if not e.faulted:
+            self._fault(e, "idle_failed", detail)
 
     def _cmd(self, e: Entry, cmd: WSCommand) -> None:
         limit = command_limit(cmd, e.engine.cooperative, self.cmd_timeout, self.coop_idle_timeout)
@@ -293,10 +308,13 @@ class Scheduler:
         if cur is not None and (not cur.faulted or cur.engine.running):
             self._culprit = cur
             try:
-                self._cmd(cur, WSCommand.IDLE_GPU)
-                if cur.engine.cooperative:
-                    t0 = time.monotonic_ns()
-                self._cmd(cur, WSCommand.SAVE_GPU_STATE)
+                if nxt is not None and self._posts.may_post(cur):
+                    self._posts.post(cur)
+                else:
+                    self._cmd(cur, WSCommand.IDLE_GPU)
+                    if cur.engine.cooperative:
+                        t0 = time.monotonic_ns()
+                    self._cmd(cur, WSCommand.SAVE_GPU_STATE)
             except DeviceError as e:
                 idle_error = e
         if nxt is not None:
@@ -402,6 +420,7 @@ class Scheduler:
             elif e.engine.running and e.engine.alive():
                 with contextlib.suppress(DeviceError):
                     self._cmd(e, WSCommand.IDLE_GPU)
+            self._posts.settle(e)
         finally:  # whatever failed above, the VF leaves the schedule
             with self._w.lock:
                 self.entries.pop(vf, None)
@@ -449,6 +468,7 @@ class Scheduler:
         self._stopping = True
         if self.current is not None:
             self._switch(None)
+        self._posts.settle_all()
 
 
 _DEFERRED = object()

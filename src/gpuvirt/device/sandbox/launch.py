@@ -208,12 +208,9 @@ class Engined:
     def wait_stopped(self) -> bool:
         """Block until the engine is stopped (True) or gone (False)."""
         if self.is_child:
-            return self._waitid_stopped()
-        if self._stat_fd is None:
-            try:
-                self._stat_fd = os.open(f"/proc/{self.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                return False
+            return bool(self._waitid_stopped())
+        if not self._open_stat():
+            return False
         _precise_sleeps()
         polls = 0
         while True:
@@ -234,12 +231,31 @@ class Engined:
             if state is not None:
                 return state
 
-    def _waitid_stopped(self) -> bool:
+    def poll_stopped(self) -> bool | None:
+        """Whether the engine is stopped (True), gone (False) or neither yet (None)."""
+        if self.is_child:
+            return self._waitid_stopped(os.WNOHANG)
+        if not self._open_stat():
+            return False
+        return _stopped(self.pid, _read(self._stat_fd))
+
+    def _open_stat(self) -> bool:
+        if self._stat_fd is None:
+            try:
+                self._stat_fd = os.open(f"/proc/{self.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return False
+        return True
+
+    def _waitid_stopped(self, flags: int = 0) -> bool | None:
+        """As poll_stopped, blocking until stopped or gone unless `flags` has WNOHANG."""
         while True:
             try:
-                info = os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+                info = os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT | flags)
             except ChildProcessError:
                 return False
+            if info is None and flags & os.WNOHANG:
+                return None
             if info is not None and info.si_code == os.CLD_STOPPED:
                 os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WNOHANG)  # consume it
                 return True
