@@ -97,7 +97,7 @@ class EmuEngine(ProcessEngine):
     def _do_init(self, timeout: float) -> None:
         self._wait_stopped()
         # Started anywhere (engines start in parallel), run on the device's CPU, every
-        # thread: a posted IDLE (host/sched.py) relies on none running beside the host.
+        # thread: a posted IDLE (host/sched_post.py) relies on all engines sharing it.
         for tid in _tasks(self.pid):
             os.sched_setaffinity(tid, self._cpus)
         if self.after_init is not None:
