@@ -120,14 +120,17 @@ class Engine(abc.ABC):
         """IDLE and SAVE without waiting for the stop to land; return the time to issue.
 
         settle() confirms the stop, and every later command settles first. The stop
-        keeps its deadline meanwhile: the watchdog kills an engine that overruns it.
+        keeps its deadline meanwhile: the watchdog kills an engine that overruns it. A
+        backend may wait for the stop all the same (emu: see EmuEngine._post_idle).
         """
         assert self.can_post, "post_idle on a backend that cannot post"
         self._check_order(WSCommand.IDLE_GPU)
         t0 = time.monotonic()
         self.deadline, self.limit = t0 + timeout, timeout
-        self._post_idle()
-        self.posted = True
+        landed = self._post_idle()
+        self.posted = not landed
+        if landed:
+            self.deadline = None
         self.last = WSCommand.SAVE_GPU_STATE  # SAVE copies nothing on a backend that posts
         return time.monotonic() - t0
 
@@ -188,8 +191,8 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def _do_idle(self, timeout: float) -> None: ...
 
-    def _post_idle(self) -> None:
-        """Issue IDLE (only where can_post)."""
+    def _post_idle(self) -> bool:
+        """Issue IDLE (only where can_post); True if it had to be waited for instead."""
         raise NotImplementedError
 
     def _idle_landed(self, block: bool) -> bool:

@@ -105,15 +105,27 @@ class EmuEngine(ProcessEngine):
             self.after_init = None
 
     def _do_idle(self, timeout: float) -> None:
-        self._post_idle()
+        self._stop()
         self._idle_landed(block=True)
 
-    def _post_idle(self) -> None:
+    def _post_idle(self) -> bool:
+        # Raised, the engine's one thread takes its stop before the next VF's engine gets
+        # the CPU. A tenant's extra threads are not raised: theirs would land only once
+        # they next get the CPU, behind the next VF (they could run nothing of their own
+        # by then, but the VF would not be stopped), so their stop is waited for, as is
+        # one that could not be raised.
+        single = self._proc.threads() == 1
+        self._stop()
+        if self._boosted and single:
+            return False
+        self._idle_landed(block=True)
+        return True
+
+    def _stop(self) -> None:
         # A stop lands only once the engine runs again to take it, and on a CPU shared with
         # other work the engine (which has just had the CPU) queues behind everyone else:
-        # milliseconds per switch. Just above every normal task it takes the stop at once
-        # (before the next VF's engine, continued meanwhile, gets the CPU); stopped, it
-        # gets its normal policy back for when it runs again.
+        # milliseconds per switch. Just above every normal task it takes the stop at once;
+        # stopped, it gets its normal policy back for when it runs again.
         self._boosted = _set_policy(self.pid, os.SCHED_FIFO, STOP_PRIORITY)
         self._signal(signal.SIGSTOP)
 

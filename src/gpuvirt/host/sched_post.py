@@ -10,8 +10,11 @@ executed its last instruction, because on emu every engine runs on one CPU and
 cannot leave it (device/emu.py; seccomp denies sched_setaffinity). B runs there
 only once A has left it, and A leaves it only through the kernel, which takes
 the stop already pending before A's own code runs again. Raised above every
-engine for its stop (SCHED_FIFO), A takes it at once, before B's turn. Any
-later command to A (its next RUN, an FLR, a removal) first waits for the stop.
+engine for its stop (SCHED_FIFO), A takes it at once, before B's turn. An
+engine that cannot be raised, or has threads of the tenant's besides its own
+(only the one raised would stop before B runs), has its stop waited for as
+before (device/emu.py). Any later command to A (its next RUN, an FLR, a
+removal) first waits for the stop.
 """
 
 from __future__ import annotations

@@ -239,6 +239,13 @@ class Engined:
             return False
         return _stopped(self.pid, _read(self._stat_fd))
 
+    def threads(self) -> int:
+        """How many threads the engine has now (0 once it is gone)."""
+        if not self._open_stat():
+            return 0
+        stat = _read(self._stat_fd)
+        return _state(stat)[1] if stat else 0
+
     def _open_stat(self) -> bool:
         if self._stat_fd is None:
             try:
