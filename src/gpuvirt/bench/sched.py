@@ -170,8 +170,9 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
 
     # 1. switching: 8 busy VFs against one VF alone, alternating, on one host
     lat_us: list[float] = []
-    sw: dict[str, list[float]] = {k: [] for k in ("work_ratio", "lost_engine", "lost_sched",
-                                                   "lost_alone", "p50", "p99", "p50_sched", "p99_sched")}  # fmt: skip
+    per_round = ("work_ratio", "lost_engine", "lost_sched", "lost_alone",
+                 "p50", "p99", "p50_sched", "p99_sched")  # fmt: skip
+    sw: dict[str, list[float]] = {k: [] for k in per_round}
     with scratch_host(device=dev, sriov={"vf_num": 8}, scheduler=sched) as hp:
         for r in range(rounds):
             got = {}
