@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuvirt.bench import launch, netgpu
+from gpuvirt.bench import launch, netgpu, netgpu_send
 from gpuvirt.bench.common import machine, spread
 from gpuvirt.bench.flr import run as flr_run
 from gpuvirt.bench.scale import fb_memory, pss_bytes
@@ -158,7 +158,7 @@ def test_netgpu_result_judges_every_mode_and_stream_count() -> None:
     trials = [
         {"mode": mode, "path": path, "streams": n, "rep": rep,
          "gbytes_per_s": 2.0 if path != "zerocopy" else 2.0 * (0.9 if mode == "raw" else 1.0),
-         "cpu_s_per_gb": 0.1 if path != "zerocopy" else 0.1 * (1.0 + 0.01 * n),
+         "cpu_s_per_gb": {"zerocopy": 0.1 * (1.0 + 0.01 * n), "raw-lowat": 0.08}.get(path, 0.1),
          **({"fragments_per_gb": 1000.0 * n} if path == "zerocopy" else {})}
         for rep in range(3) for mode in netgpu.MODES for n in netgpu.STREAMS
         for path in netgpu.PATHS
@@ -168,6 +168,8 @@ def test_netgpu_result_judges_every_mode_and_stream_count() -> None:
     assert {row["streams"] for row in r["rows"]} == {1, 2, 4}
     assert r["throughput_ratio"] == pytest.approx(0.9)  # the raw-mode rows, the worst
     assert r["cpu_ratio"] == pytest.approx(1.04)  # 4 streams, the worst
+    assert r["cpu_ratio_lowat"] == pytest.approx(1.3)  # reported beside it, never judged
+    assert set(r["targets"]) == {"throughput_ratio", "cpu_ratio"}
     assert {row["streams"]: row["fragments_per_gb"] for row in r["rows"]
             if row["path"] == "zerocopy"} == {1: 1000, 2: 2000, 4: 4000}  # fmt: skip
     assert r["rounds"] == 3 and set(r["machine"]) >= MACHINE_KEYS
@@ -252,7 +254,7 @@ def test_netgpu_trials_take_every_stream_count_on_every_path(make_host: MakeHost
     hp = make_host(sriov={"vf_num": 1})
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    sender = ctx.Process(target=netgpu._sender_main, args=(child,), daemon=True)
+    sender = ctx.Process(target=netgpu_send.sender_main, args=(child,), daemon=True)
     sender.start()
     try:
         with gpuvirt.attach(0, socket=hp.socket, token=hp.token(0)) as gpu:

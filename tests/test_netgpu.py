@@ -452,6 +452,46 @@ def _wait_for(what: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
+def test_framed_messages_sent_one_at_a_time_are_each_delivered_without_waiting_for_more(
+    gpu: Any,
+) -> None:
+    """Request/response: the sender waits for each message to be delivered before it sends
+    the next. A read alone waits in the kernel for the whole piece it expects (SO_RCVLOWAT,
+    MSG_WAITALL); a header read that kept the last payload's mark would wait for bytes
+    this sender will never send, and the test would end in the receiver's timeout."""
+    chunk = 16 << 10
+    payloads = [bytes([i]) * n for i, n in enumerate([chunk, 100, chunk, 1, 5 * chunk // 2, 7])]
+    delivered = threading.Semaphore(0)
+    errors: list[BaseException] = []
+
+    def send(addr: tuple[str, int]) -> None:
+        try:
+            with socket.create_connection(addr) as s:
+                for i, p in enumerate(payloads):
+                    s.sendall(header_for(3, i, p).encode() + p)
+                    assert delivered.acquire(timeout=RX_TIMEOUT), f"message {i} never delivered"
+                s.shutdown(socket.SHUT_WR)
+                s.recv(1)
+        except BaseException as e:
+            errors.append(e)
+
+    with gpu.netgpu.pool(nbytes=16 * chunk, chunk=chunk) as pool:
+        rx = pool.listen(("127.0.0.1", 0), framed=True, timeout=RX_TIMEOUT)
+        sender = in_thread(send, rx.address)
+        got: list[bytes] = []
+        part = b""
+        for frag in rx:
+            part += frag.array().tobytes()
+            pool.release([frag.token])
+            if frag.last:
+                got.append(part)
+                part = b""
+                delivered.release()
+        sender.join(RX_TIMEOUT)
+    assert not errors, errors
+    assert got == payloads
+
+
 def test_vf_lost_wakes_a_reader_parked_in_recv(gpu: Any) -> None:
     """What the guest library calls when it drops the VF: no recv may still write after it."""
     c, d = socket.socketpair()

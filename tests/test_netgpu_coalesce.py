@@ -8,11 +8,14 @@ epoll, with a sweep after each period and a low-water mark of one byte while idl
 
 from __future__ import annotations
 
+import queue
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -186,3 +189,38 @@ def test_a_sparse_stream_beside_a_busy_one_is_not_held_back(gpu: Any) -> None:
         sender.wait()
     assert not errors, errors
     assert list(got.values()) == [b"".join(messages)]
+
+
+def test_a_stream_idle_past_a_period_is_woken_by_a_single_byte(gpu: Any) -> None:
+    """Read alone, a coalesced read waits in the kernel for its whole chunk (SO_RCVLOWAT);
+    once a period passes with nothing the stream waits in poll, and there one byte must
+    wake it: a poll that kept the chunk's mark would sleep until the receiver's timeout."""
+    with gpu.netgpu.pool(nbytes=4 * CHUNK, chunk=CHUNK) as pool:
+        with socket.create_server(("127.0.0.1", 0)) as ls:  # TCP: poll honours the mark
+            b = socket.create_connection(ls.getsockname())
+            a = ls.accept()[0]
+        rx = pool.receive(a, timeout=RX_TIMEOUT, coalesce_ms=5)
+        got: queue.Queue[bytes | BaseException] = queue.Queue()
+
+        def receive() -> None:
+            try:
+                for frag in rx:
+                    got.put(frag.array().tobytes())
+                    pool.release([frag.token])
+            except BaseException as e:
+                got.put(e)
+
+        reader = threading.Thread(target=receive, daemon=True)
+        reader.start()
+        with b:
+            for byte in (b"a", b"b", b"c"):
+                # parked in poll: a whole period went by with nothing
+                deadline = time.monotonic() + RX_TIMEOUT
+                wchan = Path(f"/proc/self/task/{reader.native_id}/wchan")
+                while "poll" not in wchan.read_text():
+                    assert time.monotonic() < deadline, "the reader never waited in poll"
+                    time.sleep(0.001)
+                b.sendall(byte)
+                assert got.get(timeout=RX_TIMEOUT) == byte
+        reader.join(RX_TIMEOUT)
+        rx.close()

@@ -21,6 +21,7 @@ from gpuvirt.protocol.frames import (
     Header,
     check_payload,
     header_for,
+    unpack_header,
 )
 
 U32 = 2**32 - 1
@@ -186,6 +187,38 @@ def test_random_bytes_after_magic_and_version(rest: bytes) -> None:
     decoded = decode_or_none(Header.decode, data)
     if decoded is not None:
         assert decoded.encode() == data
+
+
+def outcome(data: object, max_length: int | None) -> object:
+    try:
+        return unpack_header(data, max_length)
+    except ProtocolError as e:
+        return e.field
+
+
+@given(
+    magic=st.sampled_from([b"NGPU", b"NGPV", b"\0\0\0\0"]),
+    version=st.sampled_from([0, 1, 2, 255]),
+    flags=st.integers(0, 255),
+    stream=st.integers(0, 0xFFFF),
+    seq=st.integers(0, U64),
+    length=st.integers(0, U64),
+    crc=st.sampled_from([0, 1, U32]),
+    reserved=st.sampled_from([0, 1, U32]),
+    max_length=st.one_of(st.none(), st.integers(0, U64)),
+)
+def test_a_bytearray_header_takes_the_short_path_to_the_same_answer(
+    magic: bytes, version: int, flags: int, stream: int, seq: int, length: int, crc: int,
+    reserved: int, max_length: int | None,
+) -> None:  # fmt: skip
+    """A receiver's header buffer (a bytearray) is accepted on one comparison chain; it
+    must accept and refuse exactly what the full checks do, naming the same field."""
+    data = raw_header(magic, version, flags, stream, seq, length, crc, reserved)
+    fast = outcome(bytearray(data), max_length)
+    assert fast == outcome(memoryview(data), max_length)
+    if not isinstance(fast, str):
+        assert fast == (stream, seq, length, flags, crc)
+        assert Header.decode(data, max_length) == Header(stream, seq, length, flags, crc)
 
 
 @pytest.mark.parametrize("size", [0, 1, HEADER_SIZE - 1, HEADER_SIZE + 1, 16 << 20])

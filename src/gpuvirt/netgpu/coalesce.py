@@ -23,7 +23,6 @@ Off (0, the default) every read is a fragment as soon as it lands.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import select
 import socket
@@ -61,7 +60,7 @@ class Coalescer:
         waits in recv for its chunk (framed reads already wait for their piece)."""
         if s.lowat:  # read alone it waits in recv, not for epoll
             s.lowat = False
-            _set_lowat(s, 1)
+            s.set_lowat(1)
         if not self.period or not s.raw:
             return
         set_rcvtimeo(s.sock, self.period)
@@ -73,7 +72,7 @@ class Coalescer:
         """A new stream among several: epoll reports it at a chunk's worth, unless idle."""
         if self.period and self.several and not self.idle:
             s.lowat = True
-            _set_lowat(s, self.chunk)
+            s.set_lowat(self.chunk)
 
     def poll_timeout(self, live: int, idle_wait: float) -> float:
         """How long the Rx may wait in epoll: until the next sweep while streams are busy."""
@@ -105,12 +104,7 @@ class Coalescer:
         for s in streams:
             if not s.done and not s.blocking:
                 s.lowat = not self.idle
-                _set_lowat(s, nbytes)
-
-
-def _set_lowat(s: Stream, nbytes: int) -> None:
-    with contextlib.suppress(OSError):  # a socket already reset ends on its next read
-        s.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+                s.set_lowat(nbytes)
 
 
 def _queued(fd: int) -> int:

@@ -112,9 +112,10 @@ class Rx:
         if ready:
             return ready.popleft()
         solo = self._solo
-        if solo is not None and solo.raw:
-            # the common case, one raw stream, without the general loop's bookkeeping; it
-            # runs once per read, so the lock is taken by hand and _stale() is inlined
+        if solo is not None:
+            # the common case, one stream, without the general loop's bookkeeping; it runs
+            # once per read (raw) or message (framed), so the lock is taken by hand and
+            # _stale() is inlined. Whatever a step leaves undone, _fill() picks up.
             io = self._io
             io.acquire()
             try:
@@ -124,11 +125,16 @@ class Rx:
                     self._closed or pool.closed or gpu.closed or pool.generation != gpu.generation
                 ):
                     try:
-                        got = solo.read_raw()
+                        if solo.raw:
+                            got = solo.read_raw()
+                            if got.__class__ is Frag:
+                                return got  # type: ignore[return-value]
+                        else:
+                            solo.pump(ready)
                     except OSError as e:
-                        got = self._read_error(solo, e)
-                    if got.__class__ is Frag:
-                        return got  # type: ignore[return-value]
+                        self._read_error(solo, e)
+                    if ready:
+                        return ready.popleft()
             finally:
                 io.release()
         with self._io:
@@ -148,6 +154,7 @@ class Rx:
     def _read_error(self, s: Stream, e: OSError) -> int:
         if isinstance(e, BlockingIOError):
             if s.idle_poll is not None:  # a coalescing period with nothing: wait for data
+                s.set_lowat(1)  # for any byte, not for the read's mark
                 if not s.idle_poll.poll(None if self.timeout is None else self.timeout * 1e3):
                     raise self._timeout() from None
                 return BLOCKED

@@ -21,6 +21,7 @@ crc32 when the header asks for one and the receiver agreed to check it.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import zlib
@@ -30,13 +31,21 @@ from typing import TYPE_CHECKING
 from gpuvirt.netgpu.errors import StreamError
 from gpuvirt.netgpu.frag import Frag, make_frag
 from gpuvirt.protocol.errors import ProtocolError
-from gpuvirt.protocol.frames import FLAG_CRC, HEADER_SIZE, NGPU_MAGIC, Header
+from gpuvirt.protocol.frames import (
+    FLAG_CRC,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    NGPU_MAGIC,
+    NGPU_VERSION,
+    unpack_header,
+)
 
 if TYPE_CHECKING:
     from gpuvirt.netgpu.rx import Rx
 
 __all__ = ["BLOCKED", "DRY", "ENDED", "MSG_ALIGN", "OK", "Stream"]
 
+_unpack = HEADER_STRUCT.unpack
 MSG_ALIGN = 64  # a framed payload starts on this boundary, so typed views of it are aligned
 # What one step of a reader did: progressed, found no data, found no free chunk, or ended.
 OK, BLOCKED, DRY, ENDED = range(4)
@@ -69,6 +78,7 @@ class Stream:
         self.raw_flags = 0
         self.idle_poll: select.poll | None = None
         self.lowat = False  # several streams, coalescing: epoll says when a chunk's worth is in
+        self.rcvlowat = 1  # the socket's SO_RCVLOWAT as last set (set_lowat)
         self.drained = False  # the last read got less than it asked for: ask epoll first
         self.bytes = 0  # payload bytes
         self.seq = 0  # fragments handed out
@@ -84,7 +94,10 @@ class Stream:
         self.hdr_view = memoryview(self.hdr)
         self.hdr_got = 0
         self.pending = b""  # auto mode: first bytes that turned out to be raw payload
-        self.msg: Header | None = None
+        # the message being received: its header's seq (-1: between messages), length, crc
+        self.msg = -1
+        self.msg_len = 0
+        self.msg_crc = 0
         self.left = 0
         self.pieces: list[tuple[int, int, int]] = []  # (chunk, pool position, size), undelivered
         self.piece_pos = 0
@@ -98,6 +111,13 @@ class Stream:
             self.pump = self._pump_framed
         else:
             self._become_raw()
+
+    def set_lowat(self, nbytes: int) -> None:
+        """SO_RCVLOWAT: the kernel wakes a reader of this socket (epoll or a blocked recv)
+        only once `nbytes` are queued (or its window is nearly closed, or the stream ends)."""
+        self.rcvlowat = nbytes
+        with contextlib.suppress(OSError):  # a socket already reset ends on its next read
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
 
     # ---- raw --------------------------------------------------------------------------
 
@@ -138,6 +158,8 @@ class Stream:
             self.view[start : start + n] = self.pending
             self.pending = b""
         else:
+            if self.raw_flags and end - start != self.rcvlowat:
+                self.set_lowat(end - start)  # wake once, when the read can complete
             n = self.recv(self.view[start:end], 0, self.raw_flags)
             if not n:
                 return self.finish()
@@ -185,20 +207,21 @@ class Stream:
     # ---- framed -----------------------------------------------------------------------
 
     def _pump_framed(self, out: deque[Frag]) -> int:
-        if self.msg is None:
+        if self.msg < 0:
             st = self._read_header()
             # a blocking reader goes straight on to the payload: one step per message
-            if st != OK or self.msg is None or not self.blocking:
+            if st != OK or self.msg < 0 or not self.blocking:
                 return st
         if self.piece_pos == self.piece_end and not self._next_piece():
             return DRY
         pos, end = self.piece_pos, self.piece_end
+        if self.blocking and end - pos != self.rcvlowat:
+            self.set_lowat(end - pos)  # the sender owes us the piece: wake once, when it is in
         n = self.recv(self.view[pos:end], 0, self.wait_all)
         if not n:
-            h = self.msg
             return self.fail(
-                f"disconnected mid-message: message {h.seq} ended after "
-                f"{h.length - self.left} of {h.length} payload bytes"
+                f"disconnected mid-message: message {self.msg} ended after "
+                f"{self.msg_len - self.left} of {self.msg_len} payload bytes"
             )
         self.drained = pos + n < end
         if self.check_crc:  # the one case where the CPU reads payload: it was asked to
@@ -212,7 +235,18 @@ class Stream:
         return OK
 
     def _read_header(self) -> int:
-        n = self.recv(self.hdr_view[self.hdr_got :], 0, self.wait_all)
+        view = self.hdr_view[self.hdr_got :]
+        n = -1
+        if self.blocking and self.rcvlowat > len(view):
+            # The last payload's mark would hold this wait back until a payload's worth
+            # is queued, and a sender may owe us no more than the header: take a queued
+            # header as it is, and lower the mark to the header only to wait for one.
+            try:
+                n = self.recv(view, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                self.set_lowat(len(view))
+        if n < 0:
+            n = self.recv(view, 0, self.wait_all)
         if not n:
             if not self.hdr_got:
                 return self.finish()
@@ -227,8 +261,24 @@ class Stream:
         self.hdr_got = 0
         self.drained = False
         rx = self.rx
+        # A plain header of the next message of this stream, the usual case: accepted on one
+        # comparison chain; anything else gets unpack_header's and the checks below' reasons.
+        magic, version, flags, stream, seq, length, crc, reserved = _unpack(self.hdr)
+        if (
+            seq == self.next_msg
+            and stream == self.stream
+            and magic == NGPU_MAGIC
+            and version == NGPU_VERSION
+            and not (flags or crc or reserved or rx.crc)
+            and 0 < length <= rx.max_message
+        ):
+            self.messages += 1
+            self.next_msg = seq + 1
+            self.check_crc = False
+            self.msg, self.msg_len, self.msg_crc, self.left, self.crc = seq, length, 0, length, 0
+            return OK
         try:
-            h = Header.decode(self.hdr, max_length=rx.max_message)
+            stream, seq, length, flags, crc = unpack_header(self.hdr, rx.max_message)
         except ProtocolError as e:
             why = f"bad header for message {self.messages} of the stream: {e}"
             if e.field == "NGPU length":
@@ -238,30 +288,32 @@ class Stream:
                     "stream(s) cannot hold it)"
                 )
             return self.fail(why)
-        if not self.stream_known:
-            taken = rx.claim(h.stream, self.peer)
+        if stream != self.stream or not self.stream_known:
+            if self.stream_known:
+                return self.fail(
+                    f"header names stream {stream} in the middle of stream {self.stream}; "
+                    "one connection carries one stream"
+                )
+            taken = rx.claim(stream, self.peer)
             if taken:
                 return self.fail(taken)
-            self.stream, self.stream_known = h.stream, True
-        elif h.stream != self.stream:
+            self.stream, self.stream_known = stream, True
+        if seq != self.next_msg and self.next_msg is not None:
             return self.fail(
-                f"header names stream {h.stream} in the middle of stream {self.stream}; "
-                "one connection carries one stream"
-            )
-        if self.next_msg is not None and h.seq != self.next_msg:
-            return self.fail(
-                f"message seq {h.seq} where {self.next_msg} was expected; messages are "
+                f"message seq {seq} where {self.next_msg} was expected; messages are "
                 "numbered consecutively per stream (lost or reordered data?)"
             )
-        self.next_msg = h.seq + 1
-        flagged = bool(h.flags & FLAG_CRC)
-        if rx.crc and not flagged:
-            return self.fail(f"message {h.seq} carries no crc32 and this receive requires one")
-        self.check_crc = flagged and rx.crc is not False
+        self.next_msg = seq + 1
+        if flags & FLAG_CRC:
+            self.check_crc = rx.crc is not False
+        elif rx.crc:
+            return self.fail(f"message {seq} carries no crc32 and this receive requires one")
+        else:
+            self.check_crc = False
         self.messages += 1
-        if not h.length:  # carries no data, so no fragment; its seq still counted above
+        if not length:  # carries no data, so no fragment; its seq still counted above
             return OK
-        self.msg, self.left, self.crc = h, h.length, 0
+        self.msg, self.msg_len, self.msg_crc, self.left, self.crc = seq, length, crc, length, 0
         return OK
 
     def _next_piece(self) -> bool:
@@ -295,12 +347,11 @@ class Stream:
         return True
 
     def _deliver(self, out: deque[Frag]) -> int:
-        h = self.msg
-        assert h is not None
-        if self.check_crc and self.crc != h.crc:
+        msg = self.msg
+        if self.check_crc and self.crc != self.msg_crc:
             return self.fail(
-                f"message {h.seq}: payload crc32 is 0x{self.crc:08x}, the header says "
-                f"0x{h.crc:08x} (corrupted in transit)"
+                f"message {msg}: payload crc32 is 0x{self.crc:08x}, the header says "
+                f"0x{self.msg_crc:08x} (corrupted in transit)"
             )
         pool, pieces = self.pool, self.pieces
         if len(pieces) == 1:  # a message within a chunk: one fragment (pool.issue, inlined)
@@ -316,10 +367,10 @@ class Stream:
             seq = self.seq
             self.seq = seq + 1
             out.append(
-                make_frag(Frag, (pool.offset + pos, size, t, self.stream, seq, h.seq, True, pool))
+                make_frag(Frag, (pool.offset + pos, size, t, self.stream, seq, msg, True, pool))
             )
             self.pieces = []
-            self.msg = None
+            self.msg = -1
             return OK
         token = pool.issue([p[0] for p in pieces])
         last = len(pieces) - 1
@@ -330,14 +381,14 @@ class Stream:
                 token + i,
                 self.stream,
                 self.seq,
-                h.seq,
+                msg,
                 i == last,
                 pool,
             )
             out.append(make_frag(Frag, frag))
             self.seq += 1
         self.pieces = []
-        self.msg = None
+        self.msg = -1
         return OK
 
     # ---- ending -----------------------------------------------------------------------
@@ -361,7 +412,7 @@ class Stream:
         for c, _, _ in self.pieces:  # received but never delivered: back to the pool
             pool.unref(c)
         self.pieces = []
-        self.msg = None
+        self.msg = -1
         if self.chunk is not None:
             pool.unref(self.chunk)
             self.chunk = None

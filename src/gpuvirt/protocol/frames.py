@@ -25,12 +25,14 @@ from .errors import ProtocolError, as_view, check_uint
 __all__ = [
     "FLAG_CRC",
     "HEADER_SIZE",
+    "HEADER_STRUCT",
     "KNOWN_FLAGS",
     "NGPU_MAGIC",
     "NGPU_VERSION",
     "Header",
     "check_payload",
     "header_for",
+    "unpack_header",
 ]
 
 NGPU_MAGIC = b"NGPU"
@@ -39,8 +41,8 @@ HEADER_SIZE = 32
 FLAG_CRC = 0x01  # the crc field holds zlib.crc32 of the payload
 KNOWN_FLAGS = FLAG_CRC
 
-_HEADER = struct.Struct("<4sBBHQQII")
-assert _HEADER.size == HEADER_SIZE
+HEADER_STRUCT = struct.Struct("<4sBBHQQII")
+assert HEADER_STRUCT.size == HEADER_SIZE
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Header:
         flags = check_uint("NGPU flags", self.flags, 8)
         crc = check_uint("NGPU crc", self.crc, 32)
         _check_flags(flags, crc)
-        return _HEADER.pack(
+        return HEADER_STRUCT.pack(
             NGPU_MAGIC,
             NGPU_VERSION,
             flags,
@@ -70,26 +72,47 @@ class Header:
 
     @classmethod
     def decode(cls, data: bytes, max_length: int | None = None) -> Header:
-        view = as_view(data, "NGPU header")
-        if view.nbytes != HEADER_SIZE:
-            raise ProtocolError.bad(
-                "NGPU header length", view.nbytes, f"must be exactly {HEADER_SIZE} bytes"
-            )
-        magic, version, flags, stream, seq, length, crc, reserved = _HEADER.unpack(view)
-        if magic != NGPU_MAGIC:
-            raise ProtocolError.bad(
-                "NGPU magic", magic, f"expected {NGPU_MAGIC!r} (not a framed-mode stream?)"
-            )
-        if version != NGPU_VERSION:
-            raise ProtocolError.bad("NGPU version", version, f"expected {NGPU_VERSION}")
-        _check_flags(flags, crc)
-        if reserved != 0:
-            raise ProtocolError.bad("NGPU reserved", reserved, "must be 0")
-        if max_length is not None and length > max_length:
-            raise ProtocolError.bad(
-                "NGPU length", length, f"payload length {length} exceeds the limit {max_length}"
-            )
+        stream, seq, length, flags, crc = unpack_header(data, max_length)
         return cls(stream=stream, seq=seq, length=length, flags=flags, crc=crc)
+
+
+def unpack_header(data: object, max_length: int | None = None) -> tuple[int, int, int, int, int]:
+    """(stream, seq, length, flags, crc) of a valid header, else ProtocolError naming the field.
+
+    Header.decode without the object, for a receiver that parses one header per
+    message at line rate: a good header costs one unpack and one comparison chain.
+    """
+    if data.__class__ is bytearray and len(data) == HEADER_SIZE:  # type: ignore[arg-type]
+        magic, version, flags, stream, seq, length, crc, reserved = HEADER_STRUCT.unpack(data)  # type: ignore[arg-type]
+        if (
+            magic == NGPU_MAGIC
+            and version == NGPU_VERSION
+            and not flags & ~KNOWN_FLAGS
+            and (not crc or flags & FLAG_CRC)
+            and not reserved
+            and (max_length is None or length <= max_length)
+        ):
+            return stream, seq, length, flags, crc
+    view = as_view(data, "NGPU header")
+    if view.nbytes != HEADER_SIZE:
+        raise ProtocolError.bad(
+            "NGPU header length", view.nbytes, f"must be exactly {HEADER_SIZE} bytes"
+        )
+    magic, version, flags, stream, seq, length, crc, reserved = HEADER_STRUCT.unpack(view)
+    if magic != NGPU_MAGIC:
+        raise ProtocolError.bad(
+            "NGPU magic", magic, f"expected {NGPU_MAGIC!r} (not a framed-mode stream?)"
+        )
+    if version != NGPU_VERSION:
+        raise ProtocolError.bad("NGPU version", version, f"expected {NGPU_VERSION}")
+    _check_flags(flags, crc)
+    if reserved != 0:
+        raise ProtocolError.bad("NGPU reserved", reserved, "must be 0")
+    if max_length is not None and length > max_length:
+        raise ProtocolError.bad(
+            "NGPU length", length, f"payload length {length} exceeds the limit {max_length}"
+        )
+    return stream, seq, length, flags, crc
 
 
 def _check_flags(flags: int, crc: int) -> None:
