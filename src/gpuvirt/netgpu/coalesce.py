@@ -7,7 +7,9 @@ chunk. Coalescing makes a read wait, a bounded time, for its chunk to fill,
 as a NIC's rx-usecs holds an interrupt back:
 
 - a stream read alone (blocking): MSG_WAITALL, bounded by SO_RCVTIMEO = the
-  period (the kernel rounds it up to its tick); a period that passes with
+  period (the kernel rounds it up to its tick), with SO_RCVLOWAT = what the read
+  asks for, so the blocked recv wakes once, not at every burst that lands (Linux's
+  tcp_mmap selftest does the same); a period that passes with
   nothing at all ends in EAGAIN, and the stream then waits in poll with the
   Rx's own timeout (Rx._read_error);
 - several streams (epoll): SO_RCVLOWAT = a chunk, so epoll reports a socket
@@ -56,8 +58,9 @@ class Coalescer:
         self.sweep_at = 0.0
 
     def solo(self, s: Stream) -> None:
-        """`s` is read alone now, blocking: no low-water mark, and if raw, each read
-        waits in recv for its chunk (framed reads already wait for their piece)."""
+        """`s` is read alone now, blocking: not through epoll, so not at a chunk's mark;
+        if raw, each read waits in recv for its chunk (its mark set per read by
+        Stream.read_raw), as framed reads already wait for their piece."""
         if s.lowat:  # read alone it waits in recv, not for epoll
             s.lowat = False
             s.set_lowat(1)
