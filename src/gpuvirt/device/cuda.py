@@ -19,7 +19,7 @@ control socket, the guest's command channel. What differs, and why:
 - **Cooperative world switch.** A process in a CUDA kernel cannot be stopped
   the way emu stops one: SIGSTOP would freeze the CPU side while the kernel
   runs on. So IDLE/RUN are commands the engine acknowledges between kernels
-  (device/engine.py, CoopEngineLoop); an engine that does not acknowledge
+  (device/engine_loop.py, CoopEngineLoop); an engine that does not acknowledge
   within its limit (for IDLE: scheduler.coop_idle_timeout_ms) is hung. FLR
   kills the process, and the driver tears down its context, its allocation
   and any kernel still running.

@@ -124,7 +124,7 @@ class CommandQueue:
         self._pump_lock = threading.Lock()
         self._broken: GpuvirtError | None = None
         self._rcvtimeo = 0.0  # SO_RCVTIMEO now; 0 = none (the socket's default)
-        self._rxbuf = bytearray(MAX_MESSAGE)  # see device/engine.py: no big alloc per recv
+        self._rxbuf = bytearray(MAX_MESSAGE)  # see device/engine_loop.py: no big alloc per recv
         self._poll = PollWindow(poll_ns)
 
     def launch(self, k: Kernel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LaunchFuture:
