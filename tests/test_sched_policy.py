@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuvirt.errors import DeviceError
 from gpuvirt.host.policy import REJOIN_NS, WORK_CONSERVING, Account, Policy, Rules
+from gpuvirt.host.sched_exclusive import FullAccess
 
 SLICE = 1_000_000
 
@@ -143,3 +147,23 @@ def test_a_vf_back_after_a_long_idle_banks_no_credit_but_a_short_gap_keeps_its_l
     back.candidate, back.left_at, back.vtime = False, 0, 0.0
     rules.pick(table, ahead, None, now=REJOIN_NS * 2)
     assert back.vtime == ahead.vtime  # a real idle period: starts level with the others
+
+
+def test_fullaccess_is_answered_only_once_its_vf_runs_and_fails_if_the_vf_leaves() -> None:
+    full = FullAccess()
+    full.vf = 0
+    granted: Future[None] = Future()
+    other: Future[None] = Future()
+    full.wait(0, granted)
+    full.wait(1, other)
+    full.running(1)  # another VF running says nothing to VF0's waiter (nor VF1's: not granted)
+    assert not granted.done() and not other.done()
+    full.running(0)
+    assert granted.done() and granted.result() is None
+    assert not other.done()
+    full.left(1)
+    with pytest.raises(DeviceError, match="VF1 left the schedule before it got the device"):
+        other.result(0)
+    assert full.vf == 0  # VF1 leaving does not end VF0's grant
+    full.left(0)
+    assert full.vf is None

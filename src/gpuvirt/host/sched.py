@@ -36,6 +36,7 @@ from gpuvirt.errors import DeviceError
 from gpuvirt.host.policy import Policy, Rules
 from gpuvirt.host.priority import raise_priority
 from gpuvirt.host.sched_entry import Entry, SchedStats
+from gpuvirt.host.sched_exclusive import FullAccess
 from gpuvirt.host.sched_post import PostedStops
 from gpuvirt.host.watch import Watches, drain
 
@@ -69,13 +70,12 @@ class Scheduler:
         self.cpus = cpus
         self.entries: dict[int, Entry] = {}
         self.current: Entry | None = None
-        self.exclusive: int | None = None
+        self.full = FullAccess()
         self.stats = SchedStats()
         self._ops: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._w = Watches(self.rules.work_conserving)
         self._w.add(self._wake, "wake", None)
-        self._exclusive_waiters: list[tuple[int, Future[None]]] = []
         self._posts = PostedStops(self.cmd_timeout, self.stats)
         self._stopping = False
         self._repick = True
@@ -169,7 +169,7 @@ class Scheduler:
             cur is None
             or now >= self._slice_end
             or self._yields(cur)
-            or self.rules.should_preempt(cur, list(self.entries.values()), self.exclusive, now)
+            or self.rules.should_preempt(cur, list(self.entries.values()), self.full.vf, now)
         )
         if self._repick or ends:
             # An op (a VF added, removed, given a guest) changes who may run, but does
@@ -184,7 +184,8 @@ class Scheduler:
                 self._begin_slice(cur, t)
             if self.current is not None:
                 self._slice_end = self.current.run_start + self.current.slice_ns
-            self._resolve_exclusive()
+            if self.current is not None:
+                self.full.running(self.current.vf)
         self._arm_idle_notify()
         self._culprit = None
         timeout = None
@@ -249,7 +250,7 @@ class Scheduler:
                 if result is not _DEFERRED:
                     fut.set_result(result)
                 else:
-                    self._exclusive_waiters.append((args[0], fut))
+                    self.full.wait(args[0], fut)
 
     def _pick(self, keep: Entry | None) -> Entry | None:
         conserving = self.rules.work_conserving
@@ -260,7 +261,7 @@ class Scheduler:
                 self._take_doorbell(e)
                 e.read_pending()
         self._culprit = None
-        nxt = self.rules.pick(self.entries, self.current, self.exclusive, time.monotonic_ns(), keep)
+        nxt = self.rules.pick(self.entries, self.current, self.full.vf, time.monotonic_ns(), keep)
         assert nxt is None or isinstance(nxt, Entry)
         return nxt
 
@@ -272,7 +273,7 @@ class Scheduler:
             return False
         self._take_doorbell(cur)
         cur.read_pending()
-        return self.rules.should_yield(cur, self.exclusive)
+        return self.rules.should_yield(cur, self.full.vf)
 
     def _take_doorbell(self, e: Entry) -> None:
         if e.doorbell is not None:
@@ -284,7 +285,7 @@ class Scheduler:
         if cur is None or not self.rules.work_conserving:
             return
         self._culprit = cur
-        others = self.rules.others_waiting(cur, list(self.entries.values()), self.exclusive)
+        others = self.rules.others_waiting(cur, list(self.entries.values()), self.full.vf)
         cur.engine.status[Word.NOTIFY_IDLE] = 1 if others else 0
         if others:
             self._take_doorbell(cur)
@@ -388,15 +389,6 @@ class Scheduler:
             self._idle_since = time.monotonic_ns()
         self.on_fault(e.vf, reason, detail)
 
-    def _resolve_exclusive(self) -> None:
-        cur = self.current
-        if not self._exclusive_waiters or cur is None or cur.vf != self.exclusive:
-            return
-        for vf, fut in self._exclusive_waiters:
-            if vf == cur.vf:
-                fut.set_result(None)
-        self._exclusive_waiters = [(v, f) for v, f in self._exclusive_waiters if v != cur.vf]
-
     def _unwatch_doorbell(self, e: Entry) -> None:
         self._w.undoorbell(e)
         self._take_doorbell(e)
@@ -429,14 +421,7 @@ class Scheduler:
             self._w.undoorbell(e)
             self._w.discard(e.engine.exit_fd())
             self._w.discard(e.engine.idle_fd())
-            if self.exclusive == vf:
-                self.exclusive = None
-            for v, fut in self._exclusive_waiters:
-                if v == vf:
-                    fut.set_exception(
-                        DeviceError(f"VF{vf} left the schedule before it got the device")
-                    )
-            self._exclusive_waiters = [(v, f) for v, f in self._exclusive_waiters if v != vf]
+            self.full.left(vf)
 
     def _op_set_weight(self, vf: int, weight: float) -> None:
         e = self.entries.get(vf)
@@ -459,7 +444,7 @@ class Scheduler:
             self._w.doorbell(e)
 
     def _op_set_exclusive(self, vf: int | None) -> object:
-        self.exclusive = vf
+        self.full.vf = vf
         if vf is None:
             return None
         return _DEFERRED
