@@ -10,13 +10,17 @@ and the end of the FLR, so the neighbours' share during it is exact.
   of VF0 (its kernels' own progress logs cut at each FLR's start and end
   instants: the work done there at the rate it ran uninterrupted then)
   against its own share in a steady window before the hang; every one, each
-  on its own, must reach 0.95. One FLR now lasts ~25-30 ms, a few 6 ms
-  slices: whether a given neighbour's turn falls inside it is chance, so each
-  round adds RESETS more FLRs of VF0 (admin resets, once its guest has left,
+  on its own, must reach 0.95. One FLR lasts ~15 ms, a few 6 ms slices:
+  whether a given neighbour's turn falls inside it is chance, and in every
+  round seen the two neighbours' ratios sit on opposite sides of 1 (their
+  mean ~1.01: the FLR costs them no device time, the worst-of-two is that
+  phase noise). The noise shrinks as 1/sqrt(FLRs), so each round adds
+  RESETS more FLRs of VF0 (admin resets, once its guest has left,
   RESET_GAP_S apart so each finds its spare engine ready) and the spans are
-  summed. neighbour_share_ratio is the median round's
-  worst neighbour; the scheduler's accounting of the same spans stands
-  beside it.
+  summed: 20 left one round in three near 0.94, 60 hold every round seen
+  above 0.95 for ~1 s of FLR per round. neighbour_share_ratio is the median
+  round's worst neighbour; neighbour_share_ratio_mean (both neighbours
+  together, per round) and the scheduler's accounting stand beside it.
 - guest_recover_ms: the hung guest's view, VFResetError to re-initialized.
 """
 
@@ -31,7 +35,7 @@ from gpuvirt.bench.workers import Workers, busy_guest, hang_guest
 
 JOB_TIMEOUT_S = 1.0
 CMD_TIMEOUT_MS = 500
-RESETS = 20  # more FLRs of VF0 per round, for spans long enough to share out
+RESETS = 60  # more FLRs of VF0 per round: the slices' phase noise falls as 1/sqrt(RESETS)
 # Apart by this much: the spare engine an FLR adopts is started after the previous FLR
 # and needs time to be ready; back to back, every FLR would start an engine cold.
 RESET_GAP_S = 0.5
@@ -42,6 +46,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     resets = 10 if quick else RESETS
     recover, ratios, guest_ms, steps = [], [], [], []
     each_sched: list[float] = []
+    means: list[float] = []  # both neighbours together, per round
     idle_pct: list[float] = []
     each: list[float] = []
     lost_pct: list[float] = []
@@ -83,7 +88,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
         # Each neighbour against itself: its share of the device during the FLRs (by its
         # kernels' own log) over the same in the steady window before the hang; the
         # scheduler's device time beside it.
-        worst = []
+        pair = []  # this round's two neighbours
         for vf in (1, 2):
             key = str(vf)
             t0, t1 = s0["monotonic_ns"], s1["monotonic_ns"]
@@ -91,13 +96,14 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             during = sum(engine_ns(busy[vf], a["monotonic_ns"], b["monotonic_ns"])
                          for a, b in spans) / flr_ns  # fmt: skip
             each.append(during / before if before else 0.0)
-            worst.append(each[-1])
+            pair.append(each[-1])
             sb = (s1["vfs"][key]["device_ns"] - s0["vfs"][key]["device_ns"]) / (
                 s1["monotonic_ns"] - s0["monotonic_ns"]
             )
             sd = sum(b["vfs"][key] - a["vfs"][key] for a, b in spans) / flr_ns
             each_sched.append(sd / sb if sb else 0.0)
-        ratios.append(min(worst))
+        ratios.append(min(pair))
+        means.append(statistics.fmean(pair))
     # judged on the median round: the worst neighbour of each round, the median of those
     worst = statistics.median(recover)
     ratio = statistics.median(ratios)
@@ -111,10 +117,12 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             "neighbour_share_ratio": round(ratio, 3),
             "neighbour_share_ratios": [round(x, 3) for x in each],
             "neighbour_share_ratios_sched": [round(x, 3) for x in each_sched],
+            "neighbour_share_ratio_mean": round(statistics.median(means), 3),
             "rounds": rounds,
             "spread": {
                 "recover_ms": spread(recover, 1),
                 "neighbour_share_ratio": spread(ratios, 3),
+                "neighbour_share_ratio_mean": spread(means, 3),
                 "neighbour_share_ratio_sched": spread(
                     [min(each_sched[i : i + 2]) for i in range(0, len(each_sched), 2)], 3
                 ),
@@ -138,6 +146,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             *[(f"  step {k}", v, "ms") for k, v in steps[-1].items()],
             ("guest: VFResetError → re-initialized", max(guest_ms), "ms"),
             ("worst neighbour's device share during FLR / before (engines)", ratio, "×"),
+            ("both neighbours together (median round, engines)", statistics.median(means), "×"),
             ("  each neighbour, every round (engines)", " ".join(f"{x:.3f}" for x in each), ""),
             (
                 "  each neighbour by the scheduler's accounting",
