@@ -17,8 +17,8 @@ and the end of the FLR, so the neighbours' share during it is exact.
   phase noise). The noise shrinks as 1/sqrt(FLRs), so each round adds
   RESETS more FLRs of VF0 (admin resets, once its guest has left,
   RESET_GAP_S apart so each finds its spare engine ready) and the spans are
-  summed: 20 left one round in three near 0.94, 60 hold every round seen
-  above 0.95 for ~1 s of FLR per round. neighbour_share_ratio is the median
+  summed: 20 left one round in three near 0.94; 60 (~1 s of FLR per round)
+  leave it rarer, not gone. neighbour_share_ratio is the median
   round's worst neighbour; neighbour_share_ratio_mean (both neighbours
   together, per round) and the scheduler's accounting stand beside it.
 - guest_recover_ms: the hung guest's view, VFResetError to re-initialized.
