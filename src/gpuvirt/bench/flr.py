@@ -13,8 +13,8 @@ and the end of the FLR, so the neighbours' share during it is exact.
   on its own, must reach 0.95. One FLR lasts ~15 ms, a few 6 ms slices:
   whether a given neighbour's turn falls inside it is chance, and in every
   round seen the two neighbours' ratios sit on opposite sides of 1 (their
-  mean ~1.01: the FLR costs them no device time, the worst-of-two is that
-  phase noise). The noise shrinks as 1/sqrt(FLRs), so each round adds
+  mean 0.98-1.01: the FLR costs them little or no device time; the worst
+  of the two is mostly that phase noise). The noise shrinks as 1/sqrt(FLRs), so each round adds
   RESETS more FLRs of VF0 (admin resets, once its guest has left,
   RESET_GAP_S apart so each finds its spare engine ready) and the spans are
   summed: 20 left one round in three near 0.94; 60 (~1 s of FLR per round)
@@ -105,14 +105,14 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
         ratios.append(min(pair))
         means.append(statistics.fmean(pair))
     # judged on the median round: the worst neighbour of each round, the median of those
-    worst = statistics.median(recover)
+    recover_med = statistics.median(recover)
     ratio = statistics.median(ratios)
     limit = CMD_TIMEOUT_MS + 300
     return Result(
         bench="flr",
         backend=backend,
         figures={
-            "recover_ms": round(worst, 1),
+            "recover_ms": round(recover_med, 1),
             "recover_ms_all": [round(x, 1) for x in recover],
             "neighbour_share_ratio": round(ratio, 3),
             "neighbour_share_ratios": [round(x, 3) for x in each],
@@ -138,11 +138,11 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             "cmd_timeout_ms": CMD_TIMEOUT_MS,
         },
         targets=[
-            Target("recover_ms", round(worst, 1), limit, "<="),
+            Target("recover_ms", round(recover_med, 1), limit, "<="),
             Target("neighbour_share_ratio", round(ratio, 3), 0.95, ">="),
         ],
         rows=[
-            ("hang detected → VF AVAIL (median round)", worst, "ms"),
+            ("hang detected → VF AVAIL (median round)", recover_med, "ms"),
             *[(f"  step {k}", v, "ms") for k, v in steps[-1].items()],
             ("guest: VFResetError → re-initialized", max(guest_ms), "ms"),
             ("worst neighbour's device share during FLR / before (engines)", ratio, "×"),
