@@ -10,7 +10,7 @@ and the end of the FLR, so the neighbours' share during it is exact.
   of VF0 (its kernels' own progress logs cut at each FLR's start and end
   instants: the work done there at the rate it ran uninterrupted then)
   against its own share in a steady window before the hang; every one, each
-  on its own, must reach 0.95. One FLR lasts ~15 ms, a few 6 ms slices:
+  on its own, must reach 0.95. One FLR lasts ~15-20 ms, a few 6 ms slices:
   whether a given neighbour's turn falls inside it is chance, and in every
   round seen the two neighbours' ratios sit on opposite sides of 1 (their
   mean 0.98-1.01: the FLR costs them little or no device time; the worst
@@ -44,9 +44,8 @@ RESET_GAP_S = 0.5
 def run(quick: bool = False, backend: str = "emu") -> Result:
     rounds = MIN_ROUNDS
     resets = 10 if quick else RESETS
-    recover, ratios, guest_ms, steps = [], [], [], []
+    recover, guest_ms, steps = [], [], []
     each_sched: list[float] = []
-    means: list[float] = []  # both neighbours together, per round
     idle_pct: list[float] = []
     each: list[float] = []
     lost_pct: list[float] = []
@@ -88,7 +87,6 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
         # Each neighbour against itself: its share of the device during the FLRs (by its
         # kernels' own log) over the same in the steady window before the hang; the
         # scheduler's device time beside it.
-        pair = []  # this round's two neighbours
         for vf in (1, 2):
             key = str(vf)
             t0, t1 = s0["monotonic_ns"], s1["monotonic_ns"]
@@ -96,16 +94,17 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             during = sum(engine_ns(busy[vf], a["monotonic_ns"], b["monotonic_ns"])
                          for a, b in spans) / flr_ns  # fmt: skip
             each.append(during / before if before else 0.0)
-            pair.append(each[-1])
             sb = (s1["vfs"][key]["device_ns"] - s0["vfs"][key]["device_ns"]) / (
                 s1["monotonic_ns"] - s0["monotonic_ns"]
             )
             sd = sum(b["vfs"][key] - a["vfs"][key] for a, b in spans) / flr_ns
             each_sched.append(sd / sb if sb else 0.0)
-        ratios.append(min(pair))
-        means.append(statistics.fmean(pair))
-    # judged on the median round: the worst neighbour of each round, the median of those
     recover_med = statistics.median(recover)
+    # each and each_sched hold the two neighbours of every round, in order
+    ratios = [min(p) for p in zip(each[::2], each[1::2], strict=True)]
+    means = [statistics.fmean(p) for p in zip(each[::2], each[1::2], strict=True)]
+    sched_worst = [min(p) for p in zip(each_sched[::2], each_sched[1::2], strict=True)]
+    # judged on the median round: the worst neighbour of each round, the median of those
     ratio = statistics.median(ratios)
     limit = CMD_TIMEOUT_MS + 300
     return Result(
@@ -123,9 +122,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
                 "recover_ms": spread(recover, 1),
                 "neighbour_share_ratio": spread(ratios, 3),
                 "neighbour_share_ratio_mean": spread(means, 3),
-                "neighbour_share_ratio_sched": spread(
-                    [min(each_sched[i : i + 2]) for i in range(0, len(each_sched), 2)], 3
-                ),
+                "neighbour_share_ratio_sched": spread(sched_worst, 3),
             },
             "guest_recover_ms": round(max(guest_ms), 1),
             "during_flr_idle_pct": round(max(idle_pct), 2),
