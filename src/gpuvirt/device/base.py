@@ -158,6 +158,12 @@ class Engine(abc.ABC):
     def running(self) -> bool:
         return self.last == WSCommand.RUN_GPU
 
+    def busy_ns(self) -> int | None:
+        """Device time the engine's work has used so far, in ns, as the device measured it;
+        None where the device's time is the host's wall clock (emu). Written by the
+        engine, so untrusted: a scheduler that charges it bounds it by wall time."""
+        return None
+
     @property
     @abc.abstractmethod
     def pid(self) -> int: ...

@@ -233,6 +233,9 @@ class CoopEngine(ProcessEngine):
         self.failure: str | None = None  # what the engine said when it could not start
         extra = ["--switch", "coop", "--scratch", str(scratch)]
         super().__init__(spec, fb_fd, backend, extra, fault, sandbox or Sandbox.off(), identity)
+        # Only a cuda engine measures the device (its executor's BusyClock); over an emu FB
+        # the word stays 0 and the device's time is the host's wall clock.
+        self._measures = backend == "cuda"
         self._poll = select.epoll()
         self._poll.register(self._ctl.fileno(), select.EPOLLIN)
         self._poll.register(self._pidfd, select.EPOLLIN)
@@ -247,6 +250,11 @@ class CoopEngine(ProcessEngine):
 
     def _reaped_cleanup(self) -> None:
         self._poll.close()
+
+    def busy_ns(self) -> int | None:
+        """BUSY_NS: the device time of the engine's launches and copies, by the device's
+        own clock (CUDA events; docs/cuda.md, "Device time"). The engine writes it."""
+        return self.status[Word.BUSY_NS] if self._measures else None
 
     def holds_fb(self) -> bool:
         """True while the engine process has its FB allocated (INIT done, not dead)."""

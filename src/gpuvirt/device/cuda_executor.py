@@ -54,6 +54,48 @@ def map_arrays(value: Any, is_array: Callable[[Any], bool], fetch: Callable[[Any
     return value
 
 
+class BusyClock:
+    """The device time of an engine's work, by the device's own clock (CUDA events).
+
+    An event is recorded on the engine's stream before a launch's (or a copy's) work and
+    another after the device synchronize that ends it; their elapsed time is what the
+    launch kept the device, from its first work to the last of it on any stream, gaps
+    between its kernels included (a cooperative engine holds the device for the whole
+    launch). The end event goes on a stream the synchronize has just drained, so the
+    device passes it within microseconds; it is read when the next launch begins, or when
+    the engine drains for IDLE (take), and waited for only if not passed by then: no
+    synchronize of its own on the launch path.
+
+    `cuda` is `cupy.cuda` (anything with its Event and get_elapsed_time).
+    """
+
+    def __init__(self, cuda: Any, stream: Any) -> None:
+        self._cuda = cuda
+        self._stream = stream
+        self._start = cuda.Event()
+        self._end = cuda.Event()
+        self._open = False  # a pair recorded whose time is not yet taken
+
+    def start(self) -> int:
+        """Mark where a launch's work begins; return the ns of the last one not yet taken."""
+        took = self.take()
+        self._start.record(self._stream)
+        return took
+
+    def stop(self) -> None:
+        """Mark where it ended: call after the device synchronize that ends the launch."""
+        self._end.record(self._stream)
+        self._open = True
+
+    def take(self) -> int:
+        """The ns of the launch marked and not yet taken (0 if none)."""
+        if not self._open:
+            return 0
+        self._open = False
+        self._end.synchronize()  # passed already, unless taken right after stop()
+        return max(0, round(self._cuda.get_elapsed_time(self._start, self._end) * 1e6))
+
+
 @dataclass(frozen=True)
 class CudaContext:
     """The engine's CUDA context on device 0, warmed up.
@@ -90,7 +132,8 @@ class CudaExecutor:
     Everything a tenant's kernel does goes on one non-blocking stream, made current for
     the engine's thread; so do the staging copies. `synchronize` waits for the whole
     context, and the engine calls it after every launch and copy and before
-    acknowledging IDLE. The engine's device memory is its FB (one cudaMalloc) and its
+    acknowledging IDLE; `busy` measures on the device how long each of them kept it
+    (BusyClock). The engine's device memory is its FB (one cudaMalloc) and its
     kernels' scratch (CuPy's pool, capped), both budgeted by the host (device/budget.py).
     """
 
@@ -129,6 +172,7 @@ class CudaExecutor:
         self.base = cupy.cuda.MemoryPointer(self._mem, 0)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.stream.use()
+        self.busy = BusyClock(cupy.cuda, self.stream)  # the engine loop publishes BUSY_NS
         # The scrub: whatever the previous owner of this device memory left is gone
         # before INIT_GPU is acknowledged.
         self.base.memset_async(0, fb_size, self.stream)

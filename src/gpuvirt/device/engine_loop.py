@@ -73,6 +73,10 @@ class EngineLoop:
         # Device arrays in a kernel's result must travel as host arrays: the guest has no
         # device library to unpickle them with. Executors without device memory have none.
         self._to_host = getattr(executor, "to_host", None)
+        # The device's own measure of how long each launch and copy kept it (cuda's
+        # BusyClock, published in BUSY_NS); None where the device's time is the host's
+        # wall clock (emu).
+        self._busy = getattr(executor, "busy", None)
 
     def serve(self) -> None:
         ctl = self.ctl.fileno()
@@ -173,6 +177,7 @@ class EngineLoop:
             st[Word.CURRENT_START_NS] = time.monotonic_ns()
             st[Word.CURRENT_SEQ] = msg.seq
             try:
+                self._busy_start()
                 args, kwargs = pickle.loads(msg.payload)
                 result = fn(
                     self.executor.xp,
@@ -181,7 +186,8 @@ class EngineLoop:
                 )
                 self.executor.synchronize()
                 if self._to_host is not None:
-                    result = self._to_host(result)
+                    result = self._to_host(result)  # its copies are the launch's work too
+                self._busy_stop(drain=False)
                 payload = pickle.dumps(result) if result is not None else b""
                 if len(payload) > MAX_RESULT:
                     status = Status.KERNEL_ERROR
@@ -192,8 +198,26 @@ class EngineLoop:
             except Exception:
                 status, payload = Status.KERNEL_ERROR, traceback.format_exc().encode()
                 st.bump(Word.FAILED)
+                self._busy_stop(drain=True)
             st[Word.CURRENT_SEQ] = 0
         self._reply(msg.seq, status, payload, completes=True)
+
+    def _busy_start(self) -> None:
+        if self._busy is not None:
+            self.status.bump(Word.BUSY_NS, self._busy.start())  # the launch before this one
+
+    def _busy_stop(self, drain: bool) -> None:
+        """End the device's measure of a launch or copy, after its synchronize. A failed
+        one is drained here: what it left running on the device is its time too, and a
+        tenant must not hide device time by raising once its work is queued."""
+        if self._busy is None:
+            return
+        if not drain:
+            self._busy.stop()
+            return
+        with contextlib.suppress(Exception):  # a broken context fails the next launch
+            self.executor.synchronize()
+            self._busy.stop()
 
     def _views(self, values: Any) -> list[Any]:
         return [self.executor.view(v) if isinstance(v, BufDesc) else v for v in values]
@@ -202,14 +226,17 @@ class EngineLoop:
         self.status.bump(Word.RECEIVED)
         try:
             copy = Copy.decode(msg.payload)
+            self._busy_start()
             if msg.kind == Kind.COPY_IN:
                 self.executor.copy_in(copy)
             else:
                 self.executor.copy_out(copy)
             self.executor.synchronize()
+            self._busy_stop(drain=False)
             status, payload = Status.OK, b""
         except Exception as e:
             status, payload = Status.BAD_REQUEST, str(e).encode()
+            self._busy_stop(drain=True)
         self._reply(msg.seq, status, payload, completes=True)
 
     def _reply(self, seq: int, status: Status, payload: bytes, completes: bool = False) -> None:
@@ -281,6 +308,8 @@ class CoopEngineLoop(EngineLoop):
         if code == WSCommand.IDLE_GPU:
             # Launches synchronize already; this drains anything else queued (copies).
             self.executor.synchronize()
+            if self._busy is not None:  # the slice's device time is all in BUSY_NS now
+                st.bump(Word.BUSY_NS, self._busy.take())
             self._set_running(False)
         elif code == WSCommand.RUN_GPU:
             self._set_running(True)

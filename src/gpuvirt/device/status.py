@@ -29,6 +29,10 @@ class Word(IntEnum):
     FAILED = 7  # kernels that raised
     ACK_SERIAL = 8  # last host command acknowledged (cooperative backends)
     GUEST_EPOCH = 9  # bumps each time a new guest channel is installed
+    # cumulative ns the engine's launches and copies kept the device busy, measured by the
+    # device itself (cuda: CUDA events on the engine's stream, docs/cuda.md "Device time");
+    # emu engines do not write it: there the device's time is the host's wall clock
+    BUSY_NS = 10
     # host-written
     NOTIFY_IDLE = 64  # 1: signal the idle eventfd when the queue drains
     CMD_SERIAL = 65  # cooperative world switch: serial of the latest command
