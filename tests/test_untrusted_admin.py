@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import inspect
 import json
 import os
 import socket
@@ -11,9 +12,12 @@ from typing import Any
 
 import pytest
 
-from gpuvirt.admin_client import AdminClient
+from gpuvirt import errors
+from gpuvirt.admin_client import AdminClient, AdminRefusedError
 from gpuvirt.config import load_or_create_token
+from gpuvirt.device.base import CommandTimeout, EngineDied
 from gpuvirt.errors import GpuvirtError
+from gpuvirt.host.admin import status_of
 from helpers import MakeHost, last_seq, wait_event
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,3 +105,43 @@ def test_long_polls_do_not_hold_the_executor_that_resets_run_on(make_host: MakeH
     finally:
         for s in polls:
             s.close()
+
+
+# What an operator's request gets when it fails, by the error's meaning (errors.py).
+# Every class there is listed: a new one must be given its meaning here.
+EXPECTED_STATUS = {
+    errors.ConfigError: 400,  # a bad value
+    errors.StateConflictError: 409,  # not now
+    errors.DeviceError: 502,  # the backend failed
+    CommandTimeout: 502,
+    EngineDied: 502,
+    errors.StateError: 500,  # a host bug
+    errors.GpuvirtError: 500,
+    # Tenant-side errors no admin action raises: a host bug if one ever reached it.
+    errors.HostUnreachableError: 500,
+    errors.AuthRefusedError: 500,
+    errors.OutOfMemoryError: 500,
+    errors.BufferLostError: 500,
+    errors.VFResetError: 500,
+    errors.DetachedError: 500,
+    errors.KernelError: 500,
+}
+
+
+def test_every_error_class_has_the_status_its_meaning_gives() -> None:
+    defined = {c for _n, c in inspect.getmembers(errors, inspect.isclass)}
+    assert defined <= set(EXPECTED_STATUS)
+    for cls, code in EXPECTED_STATUS.items():
+        assert status_of(cls("x")) == code, cls
+    assert status_of(RuntimeError("x")) == 500
+
+
+def test_a_state_conflict_is_a_409_and_a_bad_value_a_400(make_host: MakeHost) -> None:
+    hp = make_host()
+    hp.admin.vf(1, "disable")
+    with pytest.raises(AdminRefusedError, match="VF1 is disabled; it has no FB") as e:
+        hp.admin.vf(1, "clear-fb")
+    assert e.value.status == 409
+    with pytest.raises(AdminRefusedError, match="fb = 1 TiB: does not fit the device") as e:
+        hp.admin.vf_set(0, fb="1TiB")
+    assert e.value.status == 400

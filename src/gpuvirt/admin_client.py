@@ -15,7 +15,8 @@ from gpuvirt.tokens import read_token
 
 class AdminRefusedError(GpuvirtError):
     """The host answered with an HTTP error: ``status`` 400 a bad value, 404 no such VF
-    or endpoint, 409 not now (the VF's state forbids it); the message says which."""
+    or endpoint, 409 not now (the VF's state forbids it), 502 the device backend
+    failed, 500 a host bug; the message says which."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)

@@ -1,7 +1,11 @@
 """Every error a gpuvirt user can meet. All derive from GpuvirtError.
 
 Each message says what happened and what to do about it; callers catch the
-specific class, people read the text.
+specific class, people read the text. One class per meaning, as urllib3's
+exceptions: a value refused (ConfigError), a state that forbids the request now
+(StateConflictError), the device backend failing (DeviceError), a host bug
+(StateError). The admin API's status code follows from the class
+(host/admin.py: 400, 409, 502, 500).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ class GpuvirtError(Exception):
 
 
 class ConfigError(GpuvirtError):
-    """A configuration value was refused: the message names key, value and reason."""
+    """A value was refused (configuration, `vf set`): the message names key, value and
+    reason. Asking again with the same value fails again."""
 
 
 class HostUnreachableError(GpuvirtError):
@@ -47,8 +52,16 @@ class KernelError(GpuvirtError):
 
 
 class DeviceError(GpuvirtError):
-    """The device backend could not do what was asked (engine start, backend missing)."""
+    """The device backend could not do what was asked (engine start, a world-switch
+    command, backend missing): the request was valid and the state allowed it."""
+
+
+class StateConflictError(GpuvirtError):
+    """The request conflicts with a VF's or the host's state now: a guest holds the VF,
+    it is resetting or disabled, it left the schedule while the request waited, or
+    another host serves the socket. The same request may succeed once the state
+    changes; the message says what to do."""
 
 
 class StateError(GpuvirtError):
-    """An illegal state transition or world-switch step: a bug, never user input."""
+    """An illegal state transition or world-switch step: a host bug, never user input."""

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from gpuvirt.config import VFSettings, parse_vf_settings
-from gpuvirt.errors import ConfigError, GpuvirtError
+from gpuvirt.errors import ConfigError, DeviceError, StateConflictError
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.vfmgr import VF
 
@@ -44,6 +44,13 @@ MAX_REQUEST = 16 * 1024
 MAX_CLIENTS = 64  # requests in flight; more get 503 rather than host memory
 MAX_WAIT_S = 30.0
 ACTIONS = ("enable", "disable", "reset", "clear-fb", "clear-guard")
+# The answer to a failed request follows from its error's class (gpuvirt/errors.py);
+# any other exception, StateError included, is a host bug: 500, and a `bug` event.
+ERROR_STATUS = (
+    (ConfigError, HTTPStatus.BAD_REQUEST),  # a value refused: the same request fails again
+    (StateConflictError, HTTPStatus.CONFLICT),  # not now: the VF's state forbids it
+    (DeviceError, HTTPStatus.BAD_GATEWAY),  # the device backend failed a valid request
+)
 
 
 class AdminHost(Protocol):
@@ -116,12 +123,11 @@ class AdminServer:
             if self._clients > MAX_CLIENTS:
                 raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, "too many admin requests at once")
             status, ctype, body = await self._request(head, reader, caller(writer))
-        except HttpError as e:
-            status, ctype, body = e.status, "application/json", _json({"error": str(e)})
-        except Exception as e:  # a host bug: the caller gets a 500 and the log an event
-            self.host.events.emit(Category.HOST, "bug", f"admin request failed: {e!r}", None)
-            status, ctype = HTTPStatus.INTERNAL_SERVER_ERROR, "application/json"
-            body = _json({"error": f"internal error: {e!r}"})
+        except Exception as e:
+            status, ctype, body = status_of(e), "application/json", _json({"error": str(e)})
+            if status is HTTPStatus.INTERNAL_SERVER_ERROR:  # a host bug: an event too
+                self.host.events.emit(Category.HOST, "bug", f"admin request failed: {e!r}", None)
+                body = _json({"error": f"internal error: {e!r}"})
         finally:
             self._clients -= 1
         head = (
@@ -219,19 +225,16 @@ class AdminServer:
             Category.ADMIN, action, f"admin ({_by(who)}): {action} VF{vf.index}", vf.index,
             caller=who,
         )  # fmt: skip
-        try:
-            if action == "enable":
-                await host.enable(vf)
-            elif action == "disable":
-                await host.disable(vf)
-            elif action == "reset":
-                await host.reset_vf(vf, "admin")
-            elif action == "clear-fb":
-                await host.clear_fb(vf)
-            else:
-                await host.clear_guard(vf)
-        except GpuvirtError as e:
-            raise HttpError(HTTPStatus.CONFLICT, str(e)) from None
+        if action == "enable":
+            await host.enable(vf)
+        elif action == "disable":
+            await host.disable(vf)
+        elif action == "reset":
+            await host.reset_vf(vf, "admin")
+        elif action == "clear-fb":
+            await host.clear_fb(vf)
+        else:
+            await host.clear_guard(vf)
         return host.vf_status(vf)
 
     async def _set(self, vf: VF, body: bytes, who: dict[str, Any]) -> Any:
@@ -240,13 +243,18 @@ class AdminServer:
             data = json.loads(body or b"{}")
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
             raise HttpError(HTTPStatus.BAD_REQUEST, f"{where}: the body is not JSON: {e}") from None
-        try:
-            await self.host.set_vf(vf, parse_vf_settings(data, where), f"admin ({_by(who)})")
-        except ConfigError as e:
-            raise HttpError(HTTPStatus.BAD_REQUEST, str(e)) from None
-        except GpuvirtError as e:
-            raise HttpError(HTTPStatus.CONFLICT, str(e)) from None
+        await self.host.set_vf(vf, parse_vf_settings(data, where), f"admin ({_by(who)})")
         return self.host.vf_status(vf)
+
+
+def status_of(e: Exception) -> HTTPStatus:
+    """The HTTP status of a failed request, by what its error means."""
+    if isinstance(e, HttpError):
+        return e.status
+    for cls, status in ERROR_STATUS:
+        if isinstance(e, cls):
+            return status
+    return HTTPStatus.INTERNAL_SERVER_ERROR
 
 
 async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gpuvirt.config import HostConfig, HostSection
 from gpuvirt.device.sandbox import Mode, Settings
-from gpuvirt.errors import DeviceError
+from gpuvirt.errors import ConfigError
 
 
 def sandbox_settings(config: HostConfig) -> Settings:
@@ -34,4 +34,4 @@ def socket_gid(group: str | int) -> int:
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
-        raise DeviceError(f"host.socket_group = {group!r}: no such group") from None
+        raise ConfigError(f"host.socket_group = {group!r}: no such group") from None

@@ -24,7 +24,7 @@ from gpuvirt.device import make_device
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.status import Word
-from gpuvirt.errors import DeviceError
+from gpuvirt.errors import DeviceError, StateConflictError
 from gpuvirt.host.confinement import sandbox_settings, secure_socket
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.infoblocks import InfoBlocks
@@ -210,8 +210,8 @@ class Host:
         return render(self.report, self.events)
 
     async def set_vf(self, vf: VF, settings: VFSettings, caller: str) -> None:
-        """`vf set` (host/reconfig.py): ConfigError a value that does not fit, DeviceError
-        a state that forbids it now."""
+        """`vf set` (host/reconfig.py): ConfigError a value that does not fit,
+        StateConflictError a state that forbids it now."""
         await set_vf(self, vf, settings, caller)
 
     # ---- engines and the schedule ----------------------------------------------------
@@ -330,7 +330,7 @@ class Host:
         )
         try:
             await asyncio.wrap_future(self.sched.set_exclusive(vf.index))
-        except DeviceError:
+        except StateConflictError:
             return False  # reset while waiting; the reset released full access
         return True
 
@@ -383,11 +383,11 @@ class Host:
     async def clear_fb(self, vf: VF) -> None:
         async with self.lifecycle:
             if vf.state in (S.FULLACCESS, S.ACTIVE, S.SUSPEND, S.RESETTING):
-                raise DeviceError(
+                raise StateConflictError(
                     f"VF{vf.index} is {vf.state} with a guest; `gpuvirt vf reset {vf.index}` instead"
                 )
             if vf.state == S.UNAVAIL:
-                raise DeviceError(f"VF{vf.index} is disabled; it has no FB")
+                raise StateConflictError(f"VF{vf.index} is disabled; it has no FB")
             self.device.scrub(vf.index)
             self.events.emit(Category.ADMIN, "clear_fb", f"FB of VF{vf.index} scrubbed", vf.index)
 
@@ -416,7 +416,7 @@ def refuse_if_served(path: Path) -> None:
     """Never take over the socket of a host that is still running."""
     if not socket_served(path):
         return
-    raise DeviceError(
+    raise StateConflictError(
         f"another gpuvirt host is serving at {path}; stop it first or use another socket"
     )
 

@@ -14,7 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from gpuvirt.config import VFSettings, format_size
-from gpuvirt.errors import ConfigError, DeviceError
+from gpuvirt.errors import ConfigError, StateConflictError
 from gpuvirt.host.events import Category
 from gpuvirt.host.vfmgr import VF, VFEvent, VFState
 
@@ -28,7 +28,7 @@ _GUEST_HELD = frozenset({S.FULLACCESS, S.ACTIVE, S.SUSPEND})
 
 async def set_vf(host: Host, vf: VF, settings: VFSettings, caller: str = "admin") -> None:
     """Apply `settings` to `vf`. ConfigError: a value that does not fit (400).
-    DeviceError: the VF's state forbids the change now (409)."""
+    StateConflictError: the VF's state forbids the change now (409)."""
     async with host.lifecycle:
         fb = settings.fb if settings.fb is not None and settings.fb != vf.fb else None
         weight = (
@@ -66,13 +66,13 @@ async def set_vf(host: Host, vf: VF, settings: VFSettings, caller: str = "admin"
 def _check_fb(host: Host, vf: VF, fb: int) -> None:
     if vf.conn is not None or vf.state in _GUEST_HELD:
         pid = f" (pid {vf.guest_pid})" if vf.guest_pid else ""
-        raise DeviceError(
+        raise StateConflictError(
             f"fb = {format_size(fb)}: VF{vf.index} has a guest{pid} ({vf.state}); its FB "
             "can change only while it has none: detach the guest, or "
             f"`gpuvirt vf disable {vf.index}` first"
         )
     if vf.state == S.RESETTING:
-        raise DeviceError(
+        raise StateConflictError(
             f"fb = {format_size(fb)}: VF{vf.index} is RESETTING; try again once it is AVAIL"
         )
     others = sum(v.fb for v in host.vfm.vfs if v is not vf)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from gpuvirt.errors import DeviceError
+from gpuvirt.errors import StateConflictError
 
 
 class FullAccess:
@@ -31,7 +31,9 @@ class FullAccess:
         if self.vf == vf:
             self.vf = None
         if self._waiters:
-            self._settle(vf, DeviceError(f"VF{vf} left the schedule before it got the device"))
+            self._settle(
+                vf, StateConflictError(f"VF{vf} left the schedule before it got the device")
+            )
 
     def _settle(self, vf: int, exc: Exception | None) -> None:
         keep = []
