@@ -30,7 +30,7 @@ import statistics
 import time
 
 from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread
-from gpuvirt.bench.sched import engine_ns
+from gpuvirt.bench.windows import engine_ns
 from gpuvirt.bench.workers import Workers, busy_guest, hang_guest
 
 JOB_TIMEOUT_S = 1.0

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread
-from gpuvirt.bench.sched import busy_window, switching_overhead
+from gpuvirt.bench.sched import switching_overhead
+from gpuvirt.bench.windows import busy_window
 from gpuvirt.host.process import HostProcess
 from gpuvirt.host.status import rss_bytes
 

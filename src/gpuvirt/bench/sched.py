@@ -14,111 +14,17 @@ Three runs, each with real guest processes keeping their VFs busy:
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
 from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, percentile, scratch_host, spread
-from gpuvirt.bench.workers import (
-    WorkerReport,
-    Workers,
-    busy_guest,
-    device_ns,
-    running_rate,
-    switch_gaps,
-    work_between,
-)
-from gpuvirt.host.process import HostProcess
+from gpuvirt.bench.sched_wait import device_bound, jain, parse_weights, weight_sets
+from gpuvirt.bench.windows import busy_window, busy_windows, shares
 
 # Each busy kernel's wall length. emu preempts mid-kernel, so kernels may span many
 # slices; cuda switches only at kernel boundaries, so its kernels must be shorter than one.
 KERNEL_S = {"emu": 0.05, "cuda": 0.001}
 SLICE_MS = 6
-SETTLE_S = 1.0
 DISAGREE_PP = 1.0  # engine vs scheduler shares: a gap over this is reported
-
-
-def jain(xs: list[float]) -> float:
-    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 0.0
-
-
-def busy_windows(
-    hp: HostProcess,
-    vfs: list[int],
-    seconds: float,
-    windows: int = 1,
-    sample_every: float = 0.0,
-    kernel_s: float = 0.05,
-) -> list[dict[str, Any]]:
-    """Keep `vfs` busy through `windows` back-to-back windows of `seconds` each.
-
-    Each window carries the work every VF's kernels did inside it (their own progress
-    logs, see workers.spin_log) and, beside it, the scheduler's accounting over the same
-    instants (snapshots at both ends, and between for the share plot).
-    """
-    with Workers() as w:
-        for vf in vfs:
-            w.start(busy_guest, str(hp.socket), vf, hp.token(vf), kernel_s)
-        w.wait_ready()
-        # Guests attach one at a time (FULLACCESS is exclusive) and the first start
-        # working before the last are in: measure the steady state, not the arrival.
-        time.sleep(SETTLE_S)
-        snaps = []
-        for _ in range(windows):
-            first = hp.admin.request("GET", "/sched")
-            samples = [first]
-            end = time.monotonic() + seconds
-            while sample_every and time.monotonic() + sample_every < end:
-                time.sleep(sample_every)  # the sampling period of the share plot
-                samples.append(hp.admin.request("GET", "/sched"))
-            time.sleep(max(0.0, end - time.monotonic()))  # the measurement window itself
-            last = hp.admin.request("GET", "/sched?latencies=1")
-            samples.append(last)
-            snaps.append(samples)
-        reports = {r.vf: r for r in w.stop() if r is not None}
-    return [_window(samples, vfs, reports) for samples in snaps]
-
-
-def busy_window(hp: HostProcess, vfs: list[int], seconds: float, sample_every: float = 0.0,
-                kernel_s: float = 0.05) -> dict[str, Any]:  # fmt: skip
-    return busy_windows(hp, vfs, seconds, 1, sample_every, kernel_s)[0]
-
-
-def _window(
-    samples: list[dict[str, Any]], vfs: list[int], reports: dict[int, Any]
-) -> dict[str, Any]:
-    first, last = samples[0], samples[-1]
-    t0, t1 = first["monotonic_ns"], last["monotonic_ns"]
-    switches = last["switches"] - first["switches"]
-    return {
-        "span_ns": t1 - t0,
-        "device_ns": {
-            int(vf): last["vfs"][vf]["device_ns"] - first["vfs"][vf]["device_ns"]
-            for vf in last["vfs"]
-        },
-        # iterations each VF's kernels did inside the window, by their own clocks
-        "work": {
-            vf: work_between(reports[vf].progress, t0, t1) if vf in reports else 0 for vf in vfs
-        },
-        # and the device time that work took them (workers.device_ns)
-        "engine_ns": {vf: engine_ns(reports.get(vf), t0, t1) for vf in vfs},
-        # and the world switches between them, by the same logs
-        "gaps_ns": switch_gaps({vf: r.progress for vf, r in reports.items()}, t0, t1),
-        "lost_ns": last["lost_ns"] - first["lost_ns"],
-        "switches": switches,
-        "latencies_ns": last.get("latencies_ns", [])[-switches:] if switches else [],
-        "samples": samples,
-        "reports": [reports.get(vf) for vf in vfs],
-    }
-
-
-def engine_ns(report: WorkerReport | None, t0: int, t1: int) -> float:
-    """A VF's device time in [t0, t1] by its kernels' own log, at its running rate then
-    (or over its whole log, if it never ran through a checkpoint inside)."""
-    if report is None or not report.progress:
-        return 0.0
-    p = report.progress
-    rate = running_rate(p, t0, t1) or running_rate(p, p[0][0], p[-1][0]) or 0.0
-    return device_ns(p, t0, t1, rate)
 
 
 def busy_fraction(window: dict[str, Any], vfs: list[int]) -> float:
@@ -131,13 +37,6 @@ def switching_overhead(alone: dict[str, Any], many: dict[str, Any], vfs: list[in
     kernels had than one VF's alone on the same host (the windows' own device time, so the
     machine running faster in one window than in the other does not count)."""
     return 100 * (1 - busy_fraction(many, vfs) / busy_fraction(alone, [vfs[0]]))
-
-
-def shares(window: dict[str, Any], vfs: list[int], key: str = "engine_ns") -> dict[int, float]:
-    """Each VF's share of the device: `engine_ns` (by its kernels' own log) or `device_ns`
-    (the scheduler's accounting)."""
-    total = sum(window[key][vf] for vf in vfs) or 1
-    return {vf: window[key][vf] / total for vf in vfs}
 
 
 def disagreement_pp(window: dict[str, Any], vfs: list[int]) -> float:
@@ -161,12 +60,15 @@ def shares_over_time(samples: list[dict[str, Any]], vfs: list[int]) -> dict[str,
     return out
 
 
-def run(quick: bool = False, backend: str = "emu") -> Result:
+def run(quick: bool = False, backend: str = "emu", weights: str | None = None) -> Result:
+    """weights (`--weights 1:3,3:1,...`): only those weight sets, device-bound."""
     rounds = MIN_ROUNDS
     switch_s, weighted_s, equal_s = (1.0, 1.0, 1.0) if quick else (5.0, 10.0, 5.0)
     kernel_s = KERNEL_S.get(backend, 0.05)
     dev = {"backend": backend, "fb_total": "2GiB", "pf_fb": "64MiB"}
     sched = {"policy": "liquid", "time_slice_ms": SLICE_MS}
+    if weights is not None:
+        return _weight_sets(parse_weights(weights), quick, backend, dev, sched)
 
     # 1. switching: 8 busy VFs against one VF alone, alternating, on one host
     lat_us: list[float] = []
@@ -269,12 +171,19 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     rows.append(("  by the scheduler's accounting", med["share_error_pp_max_sched"], "pp"))
     rows.append(("Jain's index, equal weights (engine)", med["jain_equal"], ""))
     rows.append(("  by the scheduler's accounting", med["jain_equal_sched"], ""))
+    # the same measures with kernels that wait on the device (bench/sched_wait.py)
+    wait = device_bound(quick, backend, dev, sched)
+    figures.update(wait["figures"])
+    spreads.update(wait["spread"])
+    rows += wait["rows"]
     notes = [
         f"{rounds} rounds; switching alternates one VF alone and 8 VFs on one host; shares "
         "and lost time come from the kernels' own progress logs (their work, at the rate "
         "each ran uninterrupted in the same window), the scheduler's accounting of the "
         "same windows beside them; headline = median",
         "kernels end by their own device time (thread CPU time), two in flight per guest",
+        "_wait figures: device-bound kernels (emu: sleeps; cuda: a %globaltimer kernel), "
+        "shares of the work their own logs show, the scheduler's accounting beside them",
         "switch latency: from the last instruction of the VF stopped to the first of the "
         "next, by their kernels' logs; the scheduler's own figure (IDLE issued to RUN "
         "issued; a posted stop lands after it) beside it",
@@ -294,6 +203,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             Target("overhead_pct", med["overhead_pct"], 2.0, "<="),
             Target("share_error_pp_max", med["share_error_pp_max"], 1.0, "<="),
             Target("jain_equal", med["jain_equal"], 0.99, ">="),
+            *wait["targets"],
         ],
         rows=rows,
         notes=notes,
@@ -307,3 +217,22 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
 
 def _median_index(xs: list[float]) -> int:
     return sorted(range(len(xs)), key=lambda i: xs[i])[len(xs) // 2]
+
+
+def _weight_sets(sets: list[list[float]], quick: bool, backend: str, dev: dict[str, Any],
+                 sched: dict[str, Any]) -> Result:  # fmt: skip
+    got = weight_sets(sets, quick, backend, dev, sched)
+    return Result(
+        bench="sched",
+        backend=backend,
+        figures={**got["figures"], "rounds": MIN_ROUNDS,
+                 "spread": {f"{k}@{g['weights']}": v for g in got["figures"]["weight_sets"]
+                            for k, v in g["spread"].items()}},
+        targets=got["targets"],
+        rows=got["rows"],
+        notes=[
+            "--weights: each set under `weighted`, device-bound kernels (emu: sleeps; cuda: "
+            "a %globaltimer kernel), configured against achieved share per VF by the "
+            "kernels' own logs, the scheduler's accounting beside them; median of the rounds",
+        ],
+    )  # fmt: skip

@@ -147,7 +147,7 @@ def record(xp: Any, out: Any, n: int) -> None:
 @dataclass
 class WorkerReport:
     vf: int
-    work: int  # iterations of `spin` completed
+    work: int  # work its kernels completed: spin_log's iterations, wait_log's device ns
     # (CLOCK_MONOTONIC ns, cumulative iterations): the kernels' own record of their work
     progress: list[tuple[int, int]]
     launches: int
@@ -155,17 +155,21 @@ class WorkerReport:
     errors: list[str]
 
 
-def busy_guest(conn: Connection, socket: str, vf: int, token: str, kernel_s: float) -> None:
-    """Launch `spin_log` kernels until the parent sends anything, two in flight: as a real
-    tenant queues its next kernel before the last one ends, so a kernel's end never leaves
-    the VF without work (a work-conserving policy would switch it out at once)."""
+def busy_guest(
+    conn: Connection, socket: str, vf: int, token: str, kernel_s: float, workload: str = "spin"
+) -> None:
+    """Launch kernels until the parent sends anything, two in flight: as a real tenant
+    queues its next kernel before the last one ends, so a kernel's end never leaves the VF
+    without work (a work-conserving policy would switch it out at once). `workload`:
+    "spin" (spin_log, CPU-bound) or "wait" (bench/wait.py's wait_log, device-bound)."""
     import gpuvirt
+    from gpuvirt.bench.wait import wait_log
 
     errors: list[str] = []
     work = launches = 0
     progress: list[tuple[int, int]] = []
     with gpuvirt.attach(vf=vf, socket=socket, token=token) as gpu:
-        k = gpuvirt.kernel(spin_log)
+        k = gpuvirt.kernel(wait_log if workload == "wait" else spin_log)
         gpu.launch(k, 0.0).result(timeout=30)
         conn.send("ready")
         inflight: deque[Any] = deque()

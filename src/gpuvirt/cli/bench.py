@@ -12,10 +12,11 @@ from rich.table import Table
 
 from gpuvirt.bench import LONG, SUITES
 from gpuvirt.bench.common import SANDBOX_ENV, Result
+from gpuvirt.bench.sched_wait import parse_weights
 from gpuvirt.cli.common import JsonOpt, console, fail, print_json
 
 
-def run_suite(name: str, quick: bool, backend: str, **knobs: float | None) -> Result:
+def run_suite(name: str, quick: bool, backend: str, **knobs: float | str | None) -> Result:
     module = importlib.import_module(SUITES[name])
     given = {k: v for k, v in knobs.items() if v is not None}
     return module.run(quick=quick, backend=backend, **given)
@@ -55,6 +56,12 @@ def bench(
     frames: Annotated[
         int | None, typer.Option(min=1, help="fuzz: how many frames to send.")
     ] = None,
+    weights: Annotated[
+        str | None,
+        typer.Option(
+            help="sched: only these weight sets, device-bound (e.g. 1:3,3:1,1:1,1:2:3:4)."
+        ),
+    ] = None,
 ) -> None:
     """Measure gpuvirt against baselines run side by side; ratios, not absolutes."""
     if sandbox is not None:
@@ -66,9 +73,16 @@ def bench(
         raise fail(f"--minutes is for `bench chaos`, not {name!r}", 2)
     if frames is not None and name != "fuzz":
         raise fail(f"--frames is for `bench fuzz`, not {name!r}", 2)
+    if weights is not None:
+        if name != "sched":
+            raise fail(f"--weights is for `bench sched`, not {name!r}", 2)
+        try:
+            parse_weights(weights)
+        except ValueError as e:
+            raise fail(f"--weights: {e}", 2) from None
     results = []
     for n in names:
-        r = run_suite(n, quick, backend, minutes=minutes, frames=frames)
+        r = run_suite(n, quick, backend, minutes=minutes, frames=frames, weights=weights)
         results.append(r)
         if json:
             print_json(r.to_json())
