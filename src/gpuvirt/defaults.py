@@ -52,3 +52,6 @@ LIVENESS_INTERVAL_S = 5.0  # QUERY_ALIVE period per guest
 LIVENESS_TIMEOUT_S = 2.0  # DESIGN.md: no answer within 2 s = the guest is gone
 VF2PF_INTERVAL_MS = 2000  # PF2VF tells the guest this; the host reads VF2PF as often
 VF2PF_MAX_BAD = 5  # consecutive bad VF2PF reads before the VF is logged untrustworthy
+# A VF's device time as the device measured it and as the host's wall clock saw it: a
+# gap over this (percentage points of the device) is reported (/status, vf list, metrics).
+DEVICE_DISAGREE_PP = 1.0

@@ -70,13 +70,17 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument("--host-pid", type=int, required=True, help="0: the sandbox kills us with it")
     p.add_argument("--landlock", metavar="DIR", help="apply Landlock: write only beneath DIR")
+    p.add_argument(
+        "--start-stderr", action="store_true",
+        help="stderr is the host's pipe for start failures: /dev/null once the start is done",
+    )  # fmt: skip
     a = p.parse_args(argv)
     if a.host_pid:
         _die_with_host(a.host_pid)
     if a.landlock:  # before any tenant code, and before the executor's threads start
         from gpuvirt.device.sandbox.landlock import restrict_self
 
-        restrict_self([a.landlock])
+        restrict_self([a.landlock], cuda=a.backend == "cuda")
     # Starting an interpreter and importing numpy is background work: at a low priority
     # it does not take the CPU from the VFs running meanwhile (an FLR's neighbours). The
     # host restores normal priority once INIT_GPU is done.
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     # The host's terminal signals are the host's business; it tells us when to exit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if a.fault_exit:
+        print("gpuvirt engine: test fault (--fault-exit): exiting during start", file=sys.stderr)
         sys.exit(3)
     switch = a.switch or ("stop" if a.backend == "emu" else "coop")
     if switch == "coop":
@@ -97,9 +102,20 @@ def main(argv: list[str] | None = None) -> None:
     status[Word.PID] = os.getpid()
     status[Word.MAGIC] = MAGIC
     status[Word.READY] = 1
+    _started(a)
     loop = EngineLoop(executor, status, ctl, a.idle_fd)
     os.kill(os.getpid(), signal.SIGSTOP)  # INIT_GPU done: the host sees this stop
     loop.serve()
+
+
+def _started(a: argparse.Namespace) -> None:
+    """The start is done, before any tenant code: stderr leaves the host's pipe, so
+    nothing a kernel writes there fills it (the host reads it only on a failed start)."""
+    if a.start_stderr:
+        sys.stderr.flush()
+        null = os.open("/dev/null", os.O_WRONLY | os.O_CLOEXEC)
+        os.dup2(null, 2)
+        os.close(null)
 
 
 def _adopt(ctl: socket.socket, a: argparse.Namespace) -> bool:
@@ -149,6 +165,7 @@ def _main_coop(a: argparse.Namespace) -> None:
     if executor is None:
         return
     status[Word.READY] = 1
+    _started(a)
     loop = CoopEngineLoop(executor, status, ctl, a.idle_fd)
     loop.follow()  # acknowledges the INIT_GPU the host left in the status area
     loop.serve()

@@ -16,10 +16,11 @@ import select
 import socket
 import sys
 
-from gpuvirt.device.base import Engine, EngineSpec
+from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.ctl import ADOPT, CTL_ADOPT, CTL_EXIT, CTL_GUEST
 from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.status import StatusArea
+from gpuvirt.errors import DeviceError
 
 
 def send_fd(sock: socket.socket, msg: bytes, fd: int) -> None:
@@ -56,7 +57,7 @@ class ProcessEngine(Engine):
             "--ctl-fd", str(engine_ctl.fileno()), "--idle-fd", str(self._idle),
             # Confined, the sandbox kills the engine with the host (bwrap --die-with-parent).
             "--host-pid", str(0 if sandbox.report.confined else os.getpid()),
-            *sandbox.landlock_args(),
+            *sandbox.engine_args(),
         ]  # fmt: skip
         if fault:
             cmd.append("--fault-exit")
@@ -70,6 +71,19 @@ class ProcessEngine(Engine):
             os.close(status_fd)
         self._pidfd = os.pidfd_open(self._proc.pid)
         self._reaped = False
+
+    def command(self, cmd: WSCommand, timeout: float) -> float:
+        if cmd is not WSCommand.INIT_GPU:
+            return super().command(cmd, timeout)
+        try:
+            return super().command(cmd, timeout)
+        except DeviceError as e:
+            # A confined engine's own words on why its start failed (its stderr, through
+            # a pipe only the host reads): the VF's FAILED reason and the event say them.
+            said = self._proc.output()
+            if not said:
+                raise
+            raise type(e)(f"{e}; engine stderr: {said}") from e
 
     def _prepare(self) -> None:
         """Set status words the engine must find when it starts (before the spawn)."""

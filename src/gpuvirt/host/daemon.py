@@ -33,7 +33,7 @@ from gpuvirt.host.policy import Policy
 from gpuvirt.host.reconfig import set_vf
 from gpuvirt.host.reset import Resetter
 from gpuvirt.host.sched import Scheduler, raise_priority
-from gpuvirt.host.status import StatusReport
+from gpuvirt.host.status import StatusReport, flag_disagreements
 from gpuvirt.host.vfmgr import VF, Action, VFEvent, VFManager, VFState
 from gpuvirt.paths import socket_served
 
@@ -198,7 +198,7 @@ class Host:
         await self.resetter.flr(vf, reason)
 
     def sched_view(self, latencies: bool) -> dict[str, Any]:
-        snap = self.sched.snapshot()
+        snap = flag_disagreements(self.sched.snapshot())
         if latencies:
             snap["latencies_ns"] = list(self.sched.stats.latencies_ns)
             snap["commands_ns"] = {k: list(v) for k, v in self.sched.stats.commands_ns.items()}

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuvirt.config import HostConfig
+from gpuvirt.defaults import DEVICE_DISAGREE_PP
 from gpuvirt.device.base import Device
 from gpuvirt.device.sandbox.policy import Report
 from gpuvirt.host.policy import Policy
@@ -103,7 +104,13 @@ class StatusReport:
             "token_file": str(vf.plan.token_file),
             "configured_share": round(configured.get(vf.index, 0.0), 4),
             "achieved_share": round(achieved.get(vf.index, 0.0), 4),
+            # device_ms: what the scheduler charged (on cuda the device's own measure,
+            # BUSY_NS, bounded by wall time); wall_ms: the host's wall-clock view of the
+            # same turns; disagree_pp: their gap in points of the device (None on emu).
             "device_ms": round(s.get("device_ns", 0) / 1e6, 3),
+            "wall_ms": round(s.get("wall_ns", s.get("device_ns", 0)) / 1e6, 3),
+            "disagree_pp": s.get("disagree_pp"),
+            "device_disagrees": disagrees(s),
             "running": s.get("running", False),
             "pending": s.get("pending", 0),
             "guest_pid": vf.guest_pid,
@@ -130,6 +137,7 @@ class StatusReport:
         snap = self.sched.snapshot()
         elapsed = snap["elapsed_ns"] or 1
         lat = sorted(self.sched.stats.latencies_ns)
+        rows = list(snap["vfs"].values())
         return {
             "backend": self.config.device.backend,
             "policy": snap["policy"],
@@ -146,9 +154,26 @@ class StatusReport:
                 "lost_pct": round(100 * snap["lost_ns"] / elapsed, 3),
                 "switch_p50_us": round(lat[len(lat) // 2] / 1e3, 1) if lat else None,
                 "switch_p99_us": round(lat[int(len(lat) * 0.99)] / 1e3, 1) if lat else None,
+                # the largest device-vs-wall gap of any VF, and whether it is over the limit
+                "disagree_pp_max": max((r.get("disagree_pp") or 0.0 for r in rows), default=0.0),
+                "device_disagrees": any(disagrees(r) for r in rows),
             },
             "vfs": [self.vf_status(vf, snap) for vf in self.vfm.vfs],
         }
+
+
+def disagrees(row: dict[str, Any]) -> bool:
+    """Whether a scheduler snapshot row's device time (as the device measured it) and the
+    host's wall-clock view of it differ by more than DEVICE_DISAGREE_PP. Read with .get:
+    rows without the figures (a device whose time is the wall clock) never disagree."""
+    return (row.get("disagree_pp") or 0.0) > DEVICE_DISAGREE_PP
+
+
+def flag_disagreements(snap: dict[str, Any]) -> dict[str, Any]:
+    """A scheduler snapshot (GET /sched) with each row's `device_disagrees` flag."""
+    for row in snap["vfs"].values():
+        row["device_disagrees"] = disagrees(row)
+    return snap
 
 
 def rss_bytes(pid: int) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from gpuvirt.device.sandbox import bwrap, cgroup, seccomp
-from gpuvirt.device.sandbox.policy import Mode, Report, Settings, enforce, probe
+from gpuvirt.device.sandbox.policy import Mode, Report, Settings, enforce, nproc, probe
 from gpuvirt.errors import DeviceError
 
 # An engine's fixed environment: nothing of the host's. One BLAS thread: an engine
@@ -51,6 +51,11 @@ START_TIMEOUT_S = 10.0
 # so the engine gets the CPU it needs to take the signal. Each wake costs a GIL
 # hand-over; a stop takes a few tens of µs once the engine has the CPU.
 STOP_POLL_S = 20e-6
+# A confined engine's stderr is a pipe to the host until its start is done (then the
+# engine points it at /dev/null: no tenant code has run by then). The host reads at
+# most this much of it, once, when the start failed; the first lines are the reason.
+STDERR_KEEP = 4096
+STDERR_LINES = 4
 
 
 class Sandbox:
@@ -89,9 +94,13 @@ class Sandbox:
         s = self.settings
         return s.memory if s.memory is not None else fb_size + s.memory_allowance
 
-    def landlock_args(self) -> list[str]:
-        """Engine arguments that make it apply Landlock to itself (where in force)."""
-        return ["--landlock", bwrap.SCRATCH] if "landlock" in self.report.active else []
+    def engine_args(self) -> list[str]:
+        """Engine arguments for its sandbox: Landlock applied to itself (where in force),
+        and its stderr (the host's pipe) let go once its start is done."""
+        if not self.report.confined:
+            return []
+        landlock = ["--landlock", bwrap.SCRATCH] if "landlock" in self.report.active else []
+        return [*landlock, "--start-stderr"]
 
     def launch(self, cmd: list[str], pass_fds: tuple[int, ...], vf: int, fb_size: int) -> Engined:
         if self._bwrap is None:
@@ -99,6 +108,8 @@ class Sandbox:
         s = self.settings
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         block_r, block_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        os.set_blocking(err_w, True)  # the engine's end: a full pipe makes it wait, not fail
         sc_fd = seccomp.program_fd() if "seccomp" in self.report.active else None
         env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
         env.update(BASE_ENV)
@@ -114,36 +125,39 @@ class Sandbox:
                 cg.limit(self.memory_for(fb_size), s.tasks)
             extra = (info_w, block_r) + ((sc_fd,) if sc_fd is not None else ())
             # No descriptor of the host's: not even its stderr (a log file the tenant
-            # could write to). A confined engine's start failures reach the host as
-            # exit codes and (cuda) CTL_FAIL messages.
+            # could write to). Its stderr is a pipe only the host reads (Engined.output).
             popen = subprocess.Popen(
                 args + cmd, pass_fds=pass_fds + extra, close_fds=True,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_w,
                 start_new_session=True, env={},
             )  # fmt: skip
         except BaseException:
+            os.close(err_r)
             if cg is not None:
                 cg.remove()
             raise
         finally:
-            for fd in (info_w, block_r, sc_fd):
+            for fd in (info_w, block_r, sc_fd, err_w):
                 if fd is not None:
                     os.close(fd)
         try:
             init = _read_info(info_r, popen)
             if cg is not None:
                 cg.add(init)
-            for res, n in ((resource.RLIMIT_NOFILE, s.nofile), (resource.RLIMIT_CORE, 0)):
+            limits = [(resource.RLIMIT_NOFILE, s.nofile), (resource.RLIMIT_CORE, 0)]
+            if "tasks" in self.report.active:  # no pids controller: the uid's task count
+                limits.append((resource.RLIMIT_NPROC, nproc(s.tasks)))
+            for res, n in limits:
                 resource.prlimit(init, res, (n, n))
             os.write(block_w, b"1")
             pid = _first_child(init, popen)
         except BaseException:
-            Engined(popen, popen.pid, cg).kill()
+            Engined(popen, popen.pid, cg, err_r).kill()
             raise
         finally:
             os.close(info_r)
             os.close(block_w)
-        return Engined(popen, pid, cg)
+        return Engined(popen, pid, cg, err_r)
 
     def close(self) -> None:
         if self.hier is not None:
@@ -190,6 +204,7 @@ class Engined:
     popen: subprocess.Popen[bytes]
     pid: int
     cgroup: cgroup.EngineCgroup | None
+    stderr: int | None = None  # confined: the read end of the engine's stderr pipe
     _stat_fd: int | None = None
 
     @classmethod
@@ -200,6 +215,25 @@ class Engined:
             start_new_session=True, env=env,
         )  # fmt: skip
         return cls(popen, popen.pid, None)
+
+    def output(self) -> str:
+        """The first lines the engine wrote to stderr, as one line ("" if none): read once
+        (a failed start), at most STDERR_KEEP bytes, never waiting. A Python
+        traceback's frames are left out: its last line says what went wrong."""
+        if self.stderr is None:
+            return ""
+        try:
+            data = os.read(self.stderr, STDERR_KEEP)
+        except (BlockingIOError, OSError):
+            return ""
+        lines = []
+        for line in data.decode(errors="replace").splitlines():
+            if line.startswith(("Traceback (most recent call last)", " ")) or not line.strip():
+                continue
+            lines.append("".join(ch if ch.isprintable() else "?" for ch in line))
+            if len(lines) == STDERR_LINES:
+                break
+        return " | ".join(lines)
 
     @property
     def is_child(self) -> bool:
@@ -287,6 +321,9 @@ class Engined:
         if self._stat_fd is not None:
             os.close(self._stat_fd)
             self._stat_fd = None
+        if self.stderr is not None:
+            os.close(self.stderr)
+            self.stderr = None
         return code
 
 

@@ -20,6 +20,8 @@ from gpuvirt.device.sandbox.bwrap import tool
 from gpuvirt.errors import DeviceError
 
 INSTALL_HINT = "apt-get install -y bubblewrap libseccomp2 util-linux"
+# Engines alive at once under one VF's uid: its engine and that engine's spare.
+ENGINES_PER_UID = 2
 
 
 class Mode(StrEnum):
@@ -109,19 +111,14 @@ def probe(s: Settings) -> tuple[Report, cgroup.Hierarchy | None]:
         rep.missing["identity"] = "needs bwrap"
     why = seccomp.available()
     if why is None:
-        rep.active["seccomp"] = f"{len(seccomp.DENIED) + 2} syscalls denied, no process creation"
+        rep.active["seccomp"] = seccomp.summary()
     else:
         rep.missing["seccomp"] = (
             f"{why}: processes an engine starts would escape the world switch "
             f"(as root: {INSTALL_HINT})"
         )
-    hier, why = cgroup.detect()
-    if hier is not None:
-        rep.active["cgroup"] = hier.describe()
-        if "freezer" not in hier.bases:
-            rep.missing["freezer"] = why
-    else:
-        rep.missing["cgroup"] = why
+    found = cgroup.detect()
+    cgroup_findings(rep, found, per_vf_uid=root and "identity" in rep.active, tasks=s.tasks)
     abi, why = landlock.abi()
     if abi:
         rep.active["landlock"] = f"ABI {abi}"
@@ -129,7 +126,29 @@ def probe(s: Settings) -> tuple[Report, cgroup.Hierarchy | None]:
         # Landlock is the second wall; the mount namespace is the first.
         rep.missing["landlock"] = why or "kernel without Landlock"
     rep.active["rlimits"] = f"nofile {s.nofile}, core 0"
-    return rep, hier
+    return rep, found.hier
+
+
+def nproc(tasks: int) -> int:
+    """RLIMIT_NPROC standing in for pids.max: it counts the tasks of a uid, and a VF's
+    uid runs its engine and that engine's spare (device/spare.py)."""
+    return tasks * ENGINES_PER_UID
+
+
+def cgroup_findings(rep: Report, found: cgroup.Found, per_vf_uid: bool, tasks: int) -> None:
+    """What the cgroups give, into the report: a controller not in force is named as
+    missing unless a stated fallback covers it. The pids controller's is RLIMIT_NPROC,
+    where every VF has a uid of its own (a root host: setpriv); the memory limit has
+    none; on v2 the freezer is cgroup.freeze, in every cgroup's core."""
+    if found.hier is None:
+        rep.missing["cgroup"] = "; ".join(found.missing.values())
+        return
+    rep.active["cgroup"] = found.hier.describe()
+    for c, why in found.missing.items():
+        if c == "pids" and per_vf_uid:
+            rep.active["tasks"] = f"RLIMIT_NPROC {nproc(tasks)} per VF uid (pids: {why})"
+        else:
+            rep.missing[c] = why
 
 
 def enforce(rep: Report) -> None:
