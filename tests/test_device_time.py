@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gpuvirt.defaults import DEVICE_DISAGREE_PP
 from gpuvirt.device import make_device
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.ctl import CTL_EXIT, CTL_GUEST, CTL_WAKE
@@ -29,6 +30,7 @@ from gpuvirt.device.engine_loop import CoopEngineLoop
 from gpuvirt.device.process import send_fd
 from gpuvirt.device.status import StatusArea, Word
 from gpuvirt.guest.queue import CommandQueue, kernel
+from gpuvirt.host.status import disagrees, flag_disagreements
 from gpuvirt.protocol.command import Copy, Kind
 from gpuvirt.protocol.info import RESERVED_SIZE
 
@@ -197,3 +199,52 @@ def test_copies_are_device_time_too(loop: Loop) -> None:
     loop.command(WSCommand.IDLE_GPU)
     assert loop.status[Word.COMPLETED] == 1
     assert CLOCK.waits - waits == 1  # marked and taken like a launch (emu's moves no clock)
+
+
+# ---- what the host reports: /status, /sched, /metrics, vf list -----------------------------
+
+
+def test_a_disagreement_over_one_point_is_flagged() -> None:
+    assert not disagrees({"device_ns": 5})  # no device measure (emu): never
+    assert not disagrees({"disagree_pp": None})
+    assert not disagrees({"disagree_pp": DEVICE_DISAGREE_PP})
+    assert disagrees({"disagree_pp": DEVICE_DISAGREE_PP + 0.01})
+    snap = flag_disagreements({"vfs": {0: {"disagree_pp": 2.5}, 1: {"disagree_pp": 0.2}}})
+    assert [r["device_disagrees"] for r in snap["vfs"].values()] == [True, False]
+
+
+def test_vf_list_shows_the_gap_and_flags_it() -> None:
+    from rich.console import Console
+
+    from gpuvirt.bench.common import scratch_host
+    from gpuvirt.cli.vf import vf_table
+
+    with scratch_host(sriov={"vf_num": 1}) as hp:
+        row = hp.admin.vf(0)
+
+    def render(v: dict[str, Any]) -> str:
+        console = Console(width=250, record=True)
+        console.print(vf_table([v]))
+        return console.export_text()
+
+    assert "dev/wall" in render(row) and "pp" not in render(row)  # emu: one clock
+    assert "0.4pp" in render({**row, "disagree_pp": 0.4, "device_disagrees": False})
+    assert "2.3pp !" in render({**row, "disagree_pp": 2.3, "device_disagrees": True})
+
+
+def test_host_on_emu_reports_device_and_wall_time_as_one(make_host: Any) -> None:
+    """On emu the device's time is the host's wall clock: the figures are there, equal,
+    and nothing disagrees; in /status, /sched and /metrics alike."""
+    hp = make_host(sriov={"vf_num": 2})
+    st = hp.status()
+    assert st["sched"]["device_disagrees"] is False and st["sched"]["disagree_pp_max"] == 0
+    for v in st["vfs"]:
+        assert v["wall_ms"] >= v["device_ms"] >= 0
+        assert v["disagree_pp"] in (None, 0, 0.0) and v["device_disagrees"] is False
+    rows = hp.admin.request("GET", "/sched")["vfs"].values()
+    assert all(r["device_disagrees"] is False for r in rows)
+    text, _ = hp.admin.raw("GET", "/metrics")
+    for name in ("gpuvirt_vf_wall_seconds_total", "gpuvirt_vf_device_disagreement_pp",
+                 "gpuvirt_vf_device_disagrees"):  # fmt: skip
+        assert f'{name}{{vf="0"}}' in text.decode(), name
+    assert 'gpuvirt_vf_device_disagrees{vf="1"} 0.0' in text.decode()

@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread
+from gpuvirt.bench.sched_wait import WAIT_KERNEL_S, native_rounds
 from gpuvirt.bench.windows import engine_ns
-from gpuvirt.bench.workers import Workers, busy_guest, hang_guest
+from gpuvirt.bench.workers import WorkerReport, Workers, busy_guest, hang_guest, work_between
+from gpuvirt.host.process import HostProcess
 
 JOB_TIMEOUT_S = 1.0
 CMD_TIMEOUT_MS = 500
@@ -39,6 +43,7 @@ RESETS = 60  # more FLRs of VF0 per round: the slices' phase noise falls as 1/sq
 # Apart by this much: the spare engine an FLR adopts is started after the previous FLR
 # and needs time to be ready; back to back, every FLR would start an engine cold.
 RESET_GAP_S = 0.5
+NATIVE_S = 1.0  # each window of the native baseline (cuda)
 
 
 def run(quick: bool = False, backend: str = "emu") -> Result:
@@ -48,6 +53,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     each_sched: list[float] = []
     idle_pct: list[float] = []
     each: list[float] = []
+    each_wait: list[float] = []  # the same with device-bound neighbours
     lost_pct: list[float] = []
     flr_total_ms: list[float] = []
     outcomes: list[str] = []  # what the hung guest's pending launch failed with
@@ -67,19 +73,28 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
                 hanger.send("go")
                 report = hanger.recv()
                 w.procs[0][0].join(30)  # VF0's guest detached: the resets below are its own
-                for _ in range(resets):
-                    time.sleep(RESET_GAP_S)  # the workload: one FLR at a time, spare ready
-                    hp.admin.vf(0, "reset")
+                _resets(hp, resets)
                 busy = {r.vf: r for r in w.stop()[1:] if r is not None}
-            events = hp.admin.events()
-        starts = [e for e in events if e["kind"] == "flr.start" and e["vf"] == 0]
+            events = hp.admin.events()  # (the endpoint's last 1000: fetched per phase)
+            # the same FLRs beside device-bound neighbours (kernels that wait)
+            with Workers() as w:
+                for vf in (1, 2):
+                    w.start(busy_guest, str(hp.socket), vf, hp.token(vf), WAIT_KERNEL_S, "wait")
+                w.wait_ready()
+                ws0 = hp.admin.request("GET", "/sched")
+                time.sleep(0.5)
+                ws1 = hp.admin.request("GET", "/sched")
+                _resets(hp, resets)
+                waiting = {r.vf: r for r in w.stop() if r is not None}
+            wait_spans = _spans(hp.admin.events(after=events[-1]["seq"]))
+        for vf in (1, 2):
+            each_wait.append(_kept(waiting[vf], ws0, ws1, wait_spans, _work))
         dones = [e for e in events if e["kind"] == "flr.done" and e["vf"] == 0]
         recover.append(dones[0]["data"]["total_ms"])
         steps.append(dones[0]["data"]["steps"])
         guest_ms.append(1000 * (report["reinit_after_s"] - report["error_after_s"]))
         outcomes.append(report["outcome"].split(":")[0])
-        spans = [(a["data"]["device_ns"], b["data"]["device_ns"])
-                 for a, b in zip(starts, dones, strict=False)]  # fmt: skip
+        spans = _spans(events)
         flr_ns = sum(b["monotonic_ns"] - a["monotonic_ns"] for a, b in spans)
         idle_pct.append(100 * sum(b["idle_ns"] - a["idle_ns"] for a, b in spans) / flr_ns)
         lost_pct.append(100 * sum(b["lost_ns"] - a["lost_ns"] for a, b in spans) / flr_ns)
@@ -89,11 +104,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
         # scheduler's device time beside it.
         for vf in (1, 2):
             key = str(vf)
-            t0, t1 = s0["monotonic_ns"], s1["monotonic_ns"]
-            before = engine_ns(busy[vf], t0, t1) / (t1 - t0)
-            during = sum(engine_ns(busy[vf], a["monotonic_ns"], b["monotonic_ns"])
-                         for a, b in spans) / flr_ns  # fmt: skip
-            each.append(during / before if before else 0.0)
+            each.append(_kept(busy[vf], s0, s1, spans, engine_ns))
             sb = (s1["vfs"][key]["device_ns"] - s0["vfs"][key]["device_ns"]) / (
                 s1["monotonic_ns"] - s0["monotonic_ns"]
             )
@@ -106,6 +117,11 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     sched_worst = [min(p) for p in zip(each_sched[::2], each_sched[1::2], strict=True)]
     # judged on the median round: the worst neighbour of each round, the median of those
     ratio = statistics.median(ratios)
+    ratios_wait = [min(p) for p in zip(each_wait[::2], each_wait[1::2], strict=True)]
+    means_wait = [statistics.fmean(p) for p in zip(each_wait[::2], each_wait[1::2], strict=True)]
+    ratio_wait = statistics.median(ratios_wait)
+    # the driver's time-slicing of the two neighbours' kernels, without gpuvirt
+    native = native_rounds(2, NATIVE_S) if backend == "cuda" else None
     limit = CMD_TIMEOUT_MS + 300
     return Result(
         bench="flr",
@@ -123,7 +139,13 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
                 "neighbour_share_ratio": spread(ratios, 3),
                 "neighbour_share_ratio_mean": spread(means, 3),
                 "neighbour_share_ratio_sched": spread(sched_worst, 3),
+                "neighbour_share_ratio_wait": spread(ratios_wait, 3),
+                "neighbour_share_ratio_mean_wait": spread(means_wait, 3),
             },
+            "neighbour_share_ratio_wait": round(ratio_wait, 3),
+            "neighbour_share_ratios_wait": [round(x, 3) for x in each_wait],
+            "neighbour_share_ratio_mean_wait": round(statistics.median(means_wait), 3),
+            **({"native": native} if native else {}),
             "guest_recover_ms": round(max(guest_ms), 1),
             "during_flr_idle_pct": round(max(idle_pct), 2),
             "during_flr_switch_pct": round(max(lost_pct), 2),
@@ -137,6 +159,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
         targets=[
             Target("recover_ms", round(recover_med, 1), limit, "<="),
             Target("neighbour_share_ratio", round(ratio, 3), 0.95, ">="),
+            Target("neighbour_share_ratio_wait", round(ratio_wait, 3), 0.95, ">="),
         ],
         rows=[
             ("hang detected → VF AVAIL (median round)", recover_med, "ms"),
@@ -144,6 +167,8 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             ("guest: VFResetError → re-initialized", max(guest_ms), "ms"),
             ("worst neighbour's device share during FLR / before (engines)", ratio, "×"),
             ("both neighbours together (median round, engines)", statistics.median(means), "×"),
+            ("device-bound neighbours: the worst one's share during FLR / before", ratio_wait, "×"),
+            ("  each, every round", " ".join(f"{x:.3f}" for x in each_wait), ""),
             ("  each neighbour, every round (engines)", " ".join(f"{x:.3f}" for x in each), ""),
             (
                 "  each neighbour by the scheduler's accounting",
@@ -161,3 +186,38 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             "neighbours then get their policy share (2/3 of the device here), not more",
         ],
     )
+
+
+def _resets(hp: HostProcess, n: int) -> None:
+    for _ in range(n):
+        time.sleep(RESET_GAP_S)  # the workload: one FLR at a time, its spare ready
+        hp.admin.vf(0, "reset")
+
+
+def _spans(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Every FLR of VF0 in the events: the device times at its start and at its end."""
+    starts = [e for e in events if e["kind"] == "flr.start" and e["vf"] == 0]
+    dones = [e for e in events if e["kind"] == "flr.done" and e["vf"] == 0]
+    return [(a["data"]["device_ns"], b["data"]["device_ns"])
+            for a, b in zip(starts, dones, strict=False)]  # fmt: skip
+
+
+def _work(report: WorkerReport, t0: int, t1: int) -> float:
+    """The device-bound workload's device time: the nominal device ns its log shows."""
+    return work_between(report.progress, t0, t1)
+
+
+def _kept(
+    report: WorkerReport,
+    s0: dict[str, Any],
+    s1: dict[str, Any],
+    spans: list[tuple[dict[str, Any], dict[str, Any]]],
+    measure: Callable[[WorkerReport, int, int], float],
+) -> float:
+    """A neighbour's share of the device during the FLR spans over its share in the
+    steady window [s0, s1] before them, each by `measure` of its kernels' own log."""
+    t0, t1 = s0["monotonic_ns"], s1["monotonic_ns"]
+    before = measure(report, t0, t1) / (t1 - t0)
+    flr_ns = sum(b["monotonic_ns"] - a["monotonic_ns"] for a, b in spans)
+    during = sum(measure(report, a["monotonic_ns"], b["monotonic_ns"]) for a, b in spans)
+    return during / flr_ns / before if before and flr_ns else 0.0

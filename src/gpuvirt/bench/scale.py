@@ -12,6 +12,10 @@ process, in alternating rounds against one VF alone on the same host.
   the 31 VFs' kernels had than one VF's alone, each by its own progress log
   (bench/sched.py, switching_overhead); the scheduler's own count of time
   inside switches beside it.
+- work_ratio_wait: the same with kernels that wait on the device (bench/sched_wait.py):
+  the fraction of the window all VFs' kernels kept the device busy against one VF's
+  alone; judged ≥ 0.95. On cuda the native baseline (31 plain CUDA processes under
+  the driver's time-slicing) stands beside it, `work_ratio_vs_native_wait` judged.
 - memory: the host daemon's RSS (≤ 150 MiB), an idle engine's RSS (≤ 60 MiB)
   and PSS (from /proc/PID/smaps_rollup: its shared library pages divided
   among the engines), and one FB's host memory (memfd blocks) untouched,
@@ -29,6 +33,7 @@ import numpy as np
 
 from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread
 from gpuvirt.bench.sched import switching_overhead
+from gpuvirt.bench.sched_wait import WAIT_KERNEL_S, busy, native_rounds
 from gpuvirt.bench.windows import busy_window
 from gpuvirt.host.process import HostProcess
 from gpuvirt.host.status import rss_bytes
@@ -76,6 +81,8 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     lost: list[float] = []
     lost_sched: list[float] = []
     switches = 0
+    ratios_wait: list[float] = []
+    busy_all: list[float] = []  # device-bound: the fraction of the window all VFs' kernels had
     with scratch_host(device=dev, sriov={"vf_num": VFS}, scheduler=sched) as hp:
         st = hp.status()
         engines = [v["engine_pid"] for v in st["vfs"]]
@@ -94,13 +101,34 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             lost.append(switching_overhead(alone, every, list(range(VFS))))
             lost_sched.append(100 * every["lost_ns"] / every["span_ns"])
             switches += every["switches"]
+            # the same with kernels that wait on the device (bench/sched_wait.py)
+            waited = {
+                which: busy_window(hp, [0] if which == "alone" else list(range(VFS)), seconds,
+                                   kernel_s=WAIT_KERNEL_S, workload="wait")
+                for which in (("alone", "all") if r % 2 == 0 else ("all", "alone"))
+            }  # fmt: skip
+            busy_all.append(busy(waited["all"], list(range(VFS))))
+            alone_wait = busy(waited["alone"], [0])
+            ratios_wait.append(busy_all[-1] / alone_wait if alone_wait else 0.0)
         host_busy = hp.status()["host_rss_bytes"]
     spreads = {
         "work_ratio_all_vs_alone": spread(ratios, 4),
         "overhead_pct": spread(lost, 3),
         "overhead_pct_sched": spread(lost_sched, 3),
+        "work_ratio_wait": spread(ratios_wait, 4),
     }
+    targets = []
+    native = native_rounds(VFS, seconds) if backend == "cuda" else None
+    if native:
+        spreads["work_ratio_vs_native_wait"] = spread(
+            [b / native["busy_alone_wait"] if native["busy_alone_wait"] else 0.0 for b in busy_all],
+            4,
+        )
     med = {k: v[1] for k, v in spreads.items()}
+    if native:
+        targets.append(
+            Target("work_ratio_vs_native_wait", med["work_ratio_vs_native_wait"], 0.95, ">=")
+        )
     host_rss = max(host_idle, host_busy)
     return Result(
         bench="scale",
@@ -118,12 +146,15 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             "fb_resident_untouched_bytes": fb["untouched"],
             "fb_resident_touched_bytes": fb["touched"],
             "fb_resident_after_scrub_bytes": fb["after_scrub"],
+            **({"native": native} if native else {}),
         },
         targets=[
             Target("overhead_pct", med["overhead_pct"], 5.0, "<="),
             Target("work_ratio_all_vs_alone", med["work_ratio_all_vs_alone"], 1.0, "<="),
             Target("host_rss_mib", round(host_rss / MiB, 1), 150, "<="),
             Target("idle_engine_rss_mib", round(idle_engine / MiB, 1), 60, "<="),
+            Target("work_ratio_wait", med["work_ratio_wait"], 0.95, ">="),
+            *targets,
         ],
         rows=[
             (
@@ -133,6 +164,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             ),
             ("  the same by the scheduler's accounting", med["overhead_pct_sched"], "%"),
             (f"work of {VFS} VFs / 1 VF alone", med["work_ratio_all_vs_alone"], "×"),
+            (f"device-bound: work of {VFS} VFs / 1 VF alone", med["work_ratio_wait"], "×"),
             ("host daemon RSS", host_rss / MiB, "MiB"),
             ("idle engine RSS (largest)", idle_engine / MiB, "MiB"),
             ("idle engine PSS (largest)", idle_engine_pss / MiB, "MiB"),

@@ -21,8 +21,8 @@ Index = Annotated[int, typer.Argument(help="VF index", min=0, max=30)]
 
 def vf_table(vfs: list[dict[str, Any]], title: str | None = None) -> Table:
     t = Table(title=title, header_style="bold")
-    for col in ("VF", "state", "guest", "weight", "share cfg", "share now", "FB used", "FB",
-                "ctx", "launches", "FLRs", "guard", "engine"):  # fmt: skip
+    for col in ("VF", "state", "guest", "weight", "share cfg", "share now", "dev/wall",
+                "FB used", "FB", "ctx", "launches", "FLRs", "guard", "engine"):  # fmt: skip
         t.add_column(col, justify="right" if col not in ("state", "guard", "engine") else "left")
     for v in vfs:
         g = v["guard"]
@@ -33,6 +33,7 @@ def vf_table(vfs: list[dict[str, Any]], title: str | None = None) -> Table:
             f"{v['weight']:g}",
             f"{100 * v['configured_share']:.1f}%",
             f"{100 * v['achieved_share']:.1f}%",
+            _disagreement(v),
             format_size(v["fb_used"]) if v["fb_used"] else "0",
             format_size(v["fb_total"]),
             # The engine's CUDA context, outside the FB (cuda); JSON also has scratch_bytes.
@@ -44,6 +45,15 @@ def vf_table(vfs: list[dict[str, Any]], title: str | None = None) -> Table:
             "confined" if v.get("sandbox") == "confined" else "[bold red]UNCONFINED[/]",
         )
     return t
+
+
+def _disagreement(v: dict[str, Any]) -> str:
+    """The gap between the device's own measure of the VF's device time and the wall
+    clock's (cuda), flagged past 1 pp; '-' where the device's time is the wall clock."""
+    pp = v.get("disagree_pp")
+    if pp is None:
+        return "-"
+    return f"[bold red]{pp:.1f}pp ![/]" if v.get("device_disagrees") else f"{pp:.1f}pp"
 
 
 @app.command("list")

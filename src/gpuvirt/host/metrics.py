@@ -204,6 +204,17 @@ PER_VF: tuple[_PerVF, ...] = (
     _PerVF("gpuvirt_vf_device_seconds", C,
            "Device time the VF's engine has run; starts over when its engine restarts.",
            lambda v: v["device_ms"] / 1000),
+    _PerVF("gpuvirt_vf_wall_seconds", C,
+           "The host's wall-clock view of the VF's turns on the device, beside the device "
+           "time charged (equal where the device's time is the wall clock: emu).",
+           lambda v: v.get("wall_ms", v["device_ms"]) / 1000),
+    _PerVF("gpuvirt_vf_device_disagreement_pp", G,
+           "Gap between the VF's device time as the device measured it and the wall clock's "
+           "view, in percentage points of the device (0 where not measured).",
+           lambda v: v.get("disagree_pp") or 0.0),
+    _PerVF("gpuvirt_vf_device_disagrees", G,
+           "1 while that gap is over 1 percentage point.",
+           lambda v: float(bool(v.get("device_disagrees")))),
     _PerVF("gpuvirt_vf_running", G, "1 while the VF is the one on the device.",
            lambda v: float(bool(v["running"]))),
     _PerVF("gpuvirt_vf_pending_launches", G, "Launches submitted and not yet done.",
