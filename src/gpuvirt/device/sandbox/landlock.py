@@ -13,7 +13,7 @@ a device node bwrap let in, DESIGN.md "Tenant confinement"):
   nvidiaN): opened O_RDWR (WRITE_FILE) and driven by ioctls, which from ABI 5
   need IOCTL_DEV on the node. Only there: /dev as a whole keeps read and write
   (for /dev/null and the like) without ioctls.
-- writes beneath its own /proc/<pid>/task: cuInit names the threads it starts
+- writes (and O_TRUNC) beneath its own /proc/<pid>/task: cuInit names the threads it starts
   by writing /proc/self/task/<tid>/comm, and a refused write makes it fail with
   CUDA_ERROR_OPERATING_SYSTEM (304) - the failure a ruleset granting write
   under the scratch and /dev (IOCTL_DEV included) still had. A rule binds an
@@ -67,7 +67,10 @@ def rules(
         if abi >= IOCTL_DEV_ABI:
             node |= FSAccess.IOCTL_DEV
         out += [(dev, node) for dev in devices if not os.path.isdir(dev)]
-        out.append((task_dir, FSAccess.WRITE_FILE))
+        # glibc opens comm O_RDWR; an fopen("w") or a shell's ">" adds O_TRUNC, which
+        # needs TRUNCATE (ABI 3) - meaningless on procfs, so granted rather than guessed.
+        thread_names = FSAccess.WRITE_FILE | (FSAccess.TRUNCATE if abi >= 3 else FSAccess(0))
+        out.append((task_dir, thread_names))
     all_rights = handled(abi)
     out += [(path, all_rights) for path in writable]
     return out
