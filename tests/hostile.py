@@ -248,3 +248,54 @@ def neighbour(conn: Connection, sock: str, token: str, nbytes: int) -> None:
             gpu.close()
             conn.send("closed")
             return
+
+
+# x86_64: socket, socketpair, io_uring_setup/enter/register
+SYS_NET = {"socket": 41, "socketpair": 53, "io_uring_setup": 425, "io_uring_enter": 426,
+           "io_uring_register": 427}  # fmt: skip
+
+
+def _fd_call(nr: int, *args: Any) -> str:
+    """'ok' (and the new fd closed) or the errno name: for calls that return a descriptor."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    if r < 0:
+        return errno.errorcode.get(ctypes.get_errno(), "?")
+    os.close(r)
+    return "ok"
+
+
+def k_io_uring(xp: Any) -> dict[str, str]:
+    """io_uring_setup with a zeroed io_uring_params (120 bytes), SQPOLL asked or not; and
+    enter/register on a descriptor that is no ring (EBADF unless the filter answers first)."""
+    params = ctypes.create_string_buffer(120)
+    sqpoll = ctypes.create_string_buffer(120)
+    sqpoll[8:12] = (2).to_bytes(4, "little")  # flags = IORING_SETUP_SQPOLL
+    return {
+        "io_uring_setup": _fd_call(SYS_NET["io_uring_setup"], 8, ctypes.addressof(params)),
+        "io_uring_setup_sqpoll": _fd_call(SYS_NET["io_uring_setup"], 8, ctypes.addressof(sqpoll)),
+        "io_uring_enter": syscall(SYS_NET["io_uring_enter"], 0, 0, 0, 0, 0, 0),
+        "io_uring_register": syscall(SYS_NET["io_uring_register"], 0, 0, 0, 0),
+    }
+
+
+def k_socket_families(xp: Any, families: dict[str, int]) -> dict[str, str]:
+    """socket() and socketpair() of each family as the raw syscall passes it (64 bits), so a
+    family with bits above the low 32 is tried as the kernel (which reads 32) would see it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    out = {}
+    for name, family in families.items():
+        kind = socket.SOCK_RAW if family & 0xFFFFFFFF == socket.AF_NETLINK else socket.SOCK_STREAM
+        out[f"socket {name}"] = _fd_call(SYS_NET["socket"], family, kind, 0)
+        pair = (ctypes.c_int * 2)()
+        ctypes.set_errno(0)
+        r = libc.syscall(ctypes.c_long(SYS_NET["socketpair"]), ctypes.c_long(family),
+                         ctypes.c_long(socket.SOCK_STREAM), ctypes.c_long(0), pair)  # fmt: skip
+        if r < 0:
+            out[f"socketpair {name}"] = errno.errorcode.get(ctypes.get_errno(), "?")
+        else:
+            os.close(pair[0])
+            os.close(pair[1])
+            out[f"socketpair {name}"] = "ok"
+    return out

@@ -35,9 +35,15 @@ DENIED = (
     # posts a stop on the premise that no thread of it runs while the host's does.
     "sched_setaffinity",
 )  # fmt: skip
-# Families a GPU has no use for: no network, no netlink, no raw packets. Unix
-# sockets stay (the engine's own channels are Unix sockets).
-DENIED_FAMILIES = (2, 10, 16, 17)  # AF_INET, AF_INET6, AF_NETLINK, AF_PACKET
+# Answered with ENOSYS, as a kernel without io_uring would (libraries then fall back to
+# plain reads and writes): an SQPOLL ring's kernel thread runs off the device's CPU, and
+# its IORING_OP_SOCKET makes sockets this filter never sees.
+NOT_IMPLEMENTED = ("clone3", "io_uring_setup", "io_uring_enter", "io_uring_register")
+# The one socket family an engine needs (its own channels are Unix sockets): no network,
+# netlink, raw packets, and no AF_VSOCK, which no network namespace covers and which
+# reaches the hypervisor on a VM.
+ALLOWED_FAMILY = 1  # AF_UNIX
+SOCKET_CALLS = ("socket", "socketpair")
 
 
 def build() -> Any:
@@ -52,9 +58,14 @@ def build() -> Any:
     # flags in memory a filter cannot read, so it answers ENOSYS and glibc falls back
     # to clone, whose flags it can.
     f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
-    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    for family in DENIED_FAMILIES:
-        f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
+    for name in NOT_IMPLEMENTED:
+        f.add_rule(sc.ERRNO(errno.ENOSYS), name)
+    # The kernel reads the family as a 32-bit int and the filter sees all 64 bits, so
+    # "deny these families" misses (1 << 32) | AF_INET. Allowing one exact 64-bit value
+    # leaves nothing to smuggle: AF_UNIX with high bits set is refused too (glibc never
+    # passes one; it sign-extends the int).
+    for name in SOCKET_CALLS:
+        f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), name, sc.Arg(0, sc.NE, ALLOWED_FAMILY))
     return f
 
 
@@ -74,6 +85,12 @@ def program_fd() -> int:
     os.write(fd, program())
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+def summary() -> str:
+    """What the filter does, for the host's start line (docs/security.md)."""
+    denied = len(DENIED) + 1 + len(NOT_IMPLEMENTED)  # + clone of a process
+    return f"{denied} syscalls denied, no process creation, no io_uring, sockets AF_UNIX only"
 
 
 def available() -> str | None:
