@@ -164,6 +164,11 @@ class Scheduler:
         if cur is not None:
             self._culprit = cur
             self._check_kernel(cur, now)
+            # Its doorbell is not watched (it would wake us per launch): read it before
+            # its pending count is judged, or the launches completed since it was last
+            # read make a VF with work read 0 at its slice's end, leave the candidates
+            # and lose the device (docs/architecture.md, "A world switch").
+            self._take_doorbell(cur)
             cur.read_pending()
         ends = (
             cur is None
@@ -266,13 +271,10 @@ class Scheduler:
         return nxt
 
     def _yields(self, cur: Entry) -> bool:
-        """The running VF's doorbell is not watched (it would wake us per launch); read it
-        before judging it idle, or a launch already queued behind the drained one is
-        missed and the VF yields with work waiting."""
+        """Whether the running VF drained while others wait (its pending count was read,
+        doorbell first, at this wake-up)."""
         if not self.rules.work_conserving or not cur.engine.status[Word.NOTIFY_IDLE]:
             return False
-        self._take_doorbell(cur)
-        cur.read_pending()
         return self.rules.should_yield(cur, self.full.vf)
 
     def _take_doorbell(self, e: Entry) -> None:
