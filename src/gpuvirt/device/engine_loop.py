@@ -225,12 +225,13 @@ class EngineLoop:
     def _copy(self, msg: Message) -> None:
         self.status.bump(Word.RECEIVED)
         try:
-            copy = Copy.decode(msg.payload)
+            copies = Copy.decode_many(msg.payload)  # one or more, one synchronize for all
             self._busy_start()
-            if msg.kind == Kind.COPY_IN:
-                self.executor.copy_in(copy)
-            else:
-                self.executor.copy_out(copy)
+            for copy in copies:
+                if msg.kind == Kind.COPY_IN:
+                    self.executor.copy_in(copy)
+                else:
+                    self.executor.copy_out(copy)
             self.executor.synchronize()
             self._busy_stop(drain=False)
             status, payload = Status.OK, b""

@@ -12,8 +12,8 @@ its own engine, which is the tenant's code anyway. The host never decodes them.
 kind        guest → engine                       engine → guest
 DEFINE      kid = kernel id, payload = cloudpickle(fn)
 LAUNCH      kid, seq, payload = pickle((args, kwargs)); buffers as BufDesc
-COPY_IN     seq, payload = Copy (staging → FB; backends without a mapped FB)
-COPY_OUT    seq, payload = Copy (FB → staging)
+COPY_IN     seq, payload = Copy × n (staging → FB; backends without a mapped FB)
+COPY_OUT    seq, payload = Copy × n (FB → staging); one DONE once all n are done
 DONE                                              seq, flags = Status, payload = result
 """
 
@@ -81,6 +81,19 @@ class Copy:
         if len(data) != COPY.size:
             raise ProtocolError(f"copy descriptor: {len(data)} bytes, expected {COPY.size}")
         return cls(*COPY.unpack(data))
+
+    @staticmethod
+    def encode_many(copies: list[Copy]) -> bytes:
+        """Several descriptors back to back: one message, one DONE for all of them."""
+        return b"".join(c.encode() for c in copies)
+
+    @classmethod
+    def decode_many(cls, data: bytes) -> list[Copy]:
+        if not data or len(data) % COPY.size:
+            raise ProtocolError(
+                f"copy descriptors: {len(data)} bytes, expected a positive multiple of {COPY.size}"
+            )
+        return [cls(*t) for t in COPY.iter_unpack(data)]
 
 
 @dataclass(frozen=True)
