@@ -216,6 +216,18 @@ class CudaExecutor:
         # of its own, and IDLE must mean nothing of this VF runs on the device.
         self._rt.deviceSynchronize()
 
+    def context_lost(self) -> str | None:
+        """After a failed launch: the sticky error that poisons this context for good (an
+        illegal address, a trap, an uncorrectable ECC error), or None. CUDA returns such an
+        error from every call from then on, so a synchronize that still fails after the
+        engine's drain means nothing of this VF can run here again; an error of the
+        tenant's own Python code leaves the context as it was."""
+        try:
+            self._rt.deviceSynchronize()
+        except Exception as e:  # CUDARuntimeError: CuPy's type, imported with CuPy
+            return f"{type(e).__name__}: {e}"
+        return None
+
     def to_host(self, value: Any) -> Any:
         """A kernel's result with device arrays turned into numpy arrays, for the guest."""
         xp = self.xp

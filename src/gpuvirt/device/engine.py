@@ -32,7 +32,7 @@ import sys
 import traceback
 
 from gpuvirt.device.ctl import ADOPT, CTL_ADOPT, CTL_FAIL, recv_fd
-from gpuvirt.device.engine_loop import CoopEngineLoop, EngineLoop, Executor
+from gpuvirt.device.engine_loop import ContextLost, CoopEngineLoop, EngineLoop, Executor
 from gpuvirt.device.status import MAGIC, StatusArea, Word
 
 PR_SET_PDEATHSIG = 1
@@ -168,7 +168,13 @@ def _main_coop(a: argparse.Namespace) -> None:
     _started(a)
     loop = CoopEngineLoop(executor, status, ctl, a.idle_fd)
     loop.follow()  # acknowledges the INIT_GPU the host left in the status area
-    loop.serve()
+    try:
+        loop.serve()
+    except ContextLost as e:
+        # The faulting launch has had its answer; the host reads this when it reaps us.
+        with contextlib.suppress(OSError):
+            ctl.send(CTL_FAIL + str(e).encode(errors="replace")[:4000])
+        sys.exit(5)
 
 
 if __name__ == "__main__":

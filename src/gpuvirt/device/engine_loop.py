@@ -169,6 +169,7 @@ class EngineLoop:
         st.bump(Word.RECEIVED)
         fn = self.kernels.get(msg.kid)
         status, payload = Status.OK, b""
+        lost: str | None = None
         if fn is None:
             status, payload = Status.BAD_REQUEST, f"kernel {msg.kid} was never defined".encode()
         elif isinstance(fn, _LoadFailure):
@@ -199,8 +200,22 @@ class EngineLoop:
                 status, payload = Status.KERNEL_ERROR, traceback.format_exc().encode()
                 st.bump(Word.FAILED)
                 self._busy_stop(drain=True)
+                lost = self._context_lost()
+                if lost is not None:
+                    payload += f"\n{lost}\n".encode()
             st[Word.CURRENT_SEQ] = 0
         self._reply(msg.seq, status, payload, completes=True)
+        if lost is not None:
+            raise ContextLost(lost)
+
+    def _context_lost(self) -> str | None:
+        """After a failed launch: why the device context can run nothing more (a fault
+        such as an illegal address poisons a CUDA context for good), or None."""
+        check = getattr(self.executor, "context_lost", None)
+        why = check() if check is not None else None
+        if why is None:
+            return None
+        return f"the VF's device context is lost ({why}); the host resets the VF"
 
     def _busy_start(self) -> None:
         if self._busy is not None:
@@ -338,6 +353,12 @@ class CoopEngineLoop(EngineLoop):
             self.kernels.clear()
             return
         super()._drop_guest()
+
+
+class ContextLost(Exception):
+    """The engine's device context cannot run anything more: the engine exits (saying
+    why on its control socket) and the host resets the VF as for any engine that dies.
+    Its neighbours' contexts are their own and go on."""
 
 
 def select_readable(sock: socket.socket) -> bool:
