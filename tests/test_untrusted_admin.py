@@ -139,7 +139,7 @@ def test_every_error_class_has_the_status_its_meaning_gives() -> None:
 def test_a_state_conflict_is_a_409_and_a_bad_value_a_400(make_host: MakeHost) -> None:
     hp = make_host()
     hp.admin.vf(1, "disable")
-    with pytest.raises(AdminRefusedError, match="VF1 is disabled; it has no FB") as e:
+    with pytest.raises(AdminRefusedError, match="VF1: clear-fb refused in UNAVAIL: it is disabled") as e:
         hp.admin.vf(1, "clear-fb")
     assert e.value.status == 409
     with pytest.raises(AdminRefusedError, match="fb = 1 TiB: does not fit the device") as e:

@@ -1,8 +1,11 @@
-"""The VF state machine: every (state, event) pair, and random event sequences."""
+"""The VF state machine: every (state, event) pair, every guard's (request, state)
+pair, and random event sequences."""
 
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import strategies as st
@@ -10,8 +13,27 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from gpuvirt.config import VFPlan
 from gpuvirt.errors import StateError
+from gpuvirt.host import vfmgr
 from gpuvirt.host.events import EventLog
-from gpuvirt.host.vfmgr import TABLE, VF, Action, VFEvent, VFManager, VFState
+from gpuvirt.host.vfmgr import (
+    ADMIN,
+    ATTACH,
+    GUEST_HELD,
+    MAILBOX,
+    ON_GUEST_GONE,
+    TABLE,
+    VF,
+    VF2PF_READ,
+    Action,
+    AdminOp,
+    Gone,
+    VFEvent,
+    VFManager,
+    VFState,
+    admin_refusal,
+    mailbox_refusal,
+)
+from gpuvirt.protocol.mailbox import FailReason, GuestMsg
 
 S, E = VFState, VFEvent
 
@@ -71,6 +93,83 @@ def test_the_table_keeps_the_lifecycle_rules() -> None:
             assert action is Action.RELEASE_FULLACCESS, (old, _ev)
     # Only an admin's clear-guard ends a quarantine; a device reset does not.
     assert {ev for (old, ev) in TABLE if old is S.QUARANTINED} == {E.CLEAR_GUARD, E.DISABLED}
+
+
+# The event each answered request sends to the table (host/daemon.py's lifecycle steps).
+REQUEST_EVENT = {
+    GuestMsg.REQ_GPU_INIT_ACCESS: E.GUEST_INIT,
+    GuestMsg.REL_GPU_INIT_ACCESS: E.GUEST_READY,
+    GuestMsg.REQ_GPU_FINI_ACCESS: E.GUEST_FINI,
+}
+
+
+@pytest.mark.parametrize(("msg", "state"), list(itertools.product([ATTACH, *GuestMsg], VFState)))
+def test_every_mailbox_pair_is_answered_or_refused_naming_both(msg, state: VFState) -> None:
+    _vfm, vf = _manager(state, [])
+    refusal = mailbox_refusal(msg, vf)
+    assert refusal == MAILBOX[msg, state]
+    if refusal is not None:
+        assert re.match(rf"{getattr(msg, 'name', msg)} refused in {state}: \S", refusal.why)
+    if msg == ATTACH:
+        assert (refusal is None) == (state is S.AVAIL)
+        want = {S.QUARANTINED: FailReason.QUARANTINED, S.UNAVAIL: FailReason.VF_DISABLED,
+                S.FAILED: FailReason.VF_DISABLED}.get(state, FailReason.VF_BUSY)  # fmt: skip
+        assert refusal is None or refusal.reason is want
+        vf.conn = object()  # a VF has one guest: a second ATTACH is refused in every state
+        taken = mailbox_refusal(msg, vf)
+        assert taken is not None and taken.reason is FailReason.VF_BUSY and str(state) in taken.why
+        return
+    answered_in = {st for st in VFState if MAILBOX[msg, st] is None}
+    if msg in (GuestMsg.REQ_GPU_RESET_ACCESS, GuestMsg.READY_TO_RESET, GuestMsg.LOG_VF_ERROR):
+        assert answered_in == set(VFState)  # heard whatever the state
+        return
+    # A request is answered in exactly one state; refused elsewhere as BAD_STATE.
+    assert len(answered_in) == 1
+    assert refusal is None or refusal.reason is FailReason.BAD_STATE
+    # ... and the event it sends is one the table takes there.
+    if refusal is None and msg in REQUEST_EVENT:
+        assert (state, REQUEST_EVENT[msg]) in TABLE
+
+
+@pytest.mark.parametrize(("op", "state"), list(itertools.product(AdminOp, VFState)))
+def test_every_admin_pair_is_allowed_or_refused_naming_both(op: AdminOp, state: VFState) -> None:
+    _vfm, vf = _manager(state, [])
+    why = admin_refusal(op, vf)
+    assert why == ADMIN[op, state]
+    if why is not None:
+        assert why.startswith(f"{op} refused in {state}: ")
+    # Never under a guest's feet, nor mid-reset; clear-fb needs an FB to scrub.
+    refused = GUEST_HELD | {S.RESETTING} | ({S.UNAVAIL} if op is AdminOp.CLEAR_FB else set())
+    assert (why is not None) == (state in refused)
+    vf.conn, vf.guest_pid = object(), 4242  # a guest attached (not yet in init) counts too
+    why = admin_refusal(op, vf)
+    assert why is not None and str(state) in why and (state in GUEST_HELD or "4242" in why)
+
+
+def test_the_state_sets_follow_the_table() -> None:
+    # A guest's going: mid-init it is reset (and the init lock handed on); working, it
+    # is suspended, which leads to the state a fini scrubs and brings back to AVAIL.
+    for state, gone in ON_GUEST_GONE.items():
+        if gone is Gone.RESET:
+            assert TABLE[state, E.FLR] == (S.RESETTING, Action.RELEASE_FULLACCESS)
+        elif gone is Gone.SUSPEND:
+            after = TABLE[state, E.GUEST_FINI][0]
+            assert ON_GUEST_GONE[after] is Gone.FINI
+        else:
+            assert TABLE[state, E.ENGINE_UP] == (S.AVAIL, Action.NONE)
+    assert set(ON_GUEST_GONE) == GUEST_HELD
+    # VF2PF is read from the guest's set-up until its fini ends.
+    assert {TABLE[S.FULLACCESS, E.GUEST_READY][0], TABLE[S.ACTIVE, E.GUEST_FINI][0]} == VF2PF_READ
+
+
+def test_no_host_module_but_vfmgr_names_a_state() -> None:
+    # Every rule about states lives with the table: the rest of the host asks it.
+    host = Path(vfmgr.__file__).parent
+    states = "|".join(VFState.__members__)
+    for path in host.rglob("*.py"):
+        if path.name != "vfmgr.py":
+            text = path.read_text()
+            assert not re.search(rf"\b(VFState|S)\.({states})\b", text), path
 
 
 class Lifecycle(RuleBasedStateMachine):

@@ -34,10 +34,20 @@ from gpuvirt.host.reconfig import set_vf
 from gpuvirt.host.reset import Resetter
 from gpuvirt.host.sched import Scheduler, raise_priority
 from gpuvirt.host.status import StatusReport, flag_disagreements
-from gpuvirt.host.vfmgr import VF, Action, VFEvent, VFManager, VFState
+from gpuvirt.host.vfmgr import (
+    ON_GUEST_GONE,
+    VF,
+    Action,
+    AdminOp,
+    Gone,
+    VFEvent,
+    VFManager,
+    admin_refusal,
+    enabled,
+)
 from gpuvirt.paths import socket_served
 
-S, E = VFState, VFEvent
+E = VFEvent
 ENGINE_START_TRIES = 3  # an OSError (EMFILE, fork failure) may clear; then the VF fails
 SWITCH_INTERVAL_S = 0.0002
 LOOP_PRIORITY = 5  # below the scheduler thread's (sched.RT_PRIORITY)
@@ -245,7 +255,7 @@ class Host:
 
     async def bring_up(self, vf: VF, reason: str) -> bool:
         """A fresh engine, then AVAIL; FAILED when the engine does not start."""
-        up = E.ENABLED if vf.state == S.UNAVAIL else E.ENGINE_UP
+        up = E.ENABLED if self.vfm.accepts(vf, E.ENABLED) else E.ENGINE_UP
         try:
             await self.start_engine(vf)
         except DeviceError as e:
@@ -287,7 +297,7 @@ class Host:
 
     async def enable(self, vf: VF) -> None:
         async with self.lifecycle:
-            if vf.state != S.UNAVAIL:
+            if not self.vfm.accepts(vf, E.ENABLED):
                 return
             try:
                 self.info.map(vf, self.device.create_fb(vf.index, vf.fb))
@@ -298,7 +308,7 @@ class Host:
 
     async def disable(self, vf: VF) -> None:
         async with self.lifecycle:
-            if vf.state == S.UNAVAIL:
+            if not enabled(vf):
                 return
             if self.vfm.accepts(vf, E.DISABLE):  # from FULLACCESS: frees the init lock too
                 self.vfm.send(vf, E.DISABLE, "disable")
@@ -317,7 +327,7 @@ class Host:
         """FULLACCESS: the device to this VF alone. False if the VF changed while queued."""
         conn = vf.conn
         await self._fullaccess.acquire()
-        if vf.state != S.AVAIL or vf.conn is not conn or conn is None:
+        if not self.vfm.accepts(vf, E.GUEST_INIT) or vf.conn is not conn or conn is None:
             self._fullaccess.release()
             return False
         self._fullaccess_vf = vf.index
@@ -340,7 +350,8 @@ class Host:
             self._fullaccess.release()
 
     def _fullaccess_expired(self, vf: VF, grant: int) -> None:
-        if vf.state == S.FULLACCESS and self._grants.get(vf.index) == grant:
+        # Still waiting for the guest's REL_GPU_INIT_ACCESS, from this same grant.
+        if self.vfm.accepts(vf, E.GUEST_READY) and self._grants.get(vf.index) == grant:
             self.spawn(self.resetter.flr(vf, "fullaccess_timeout"))
 
     async def activate(self, vf: VF, doorbell: int) -> None:
@@ -360,15 +371,16 @@ class Host:
 
     async def guest_gone(self, vf: VF) -> None:
         """The guest finished or vanished: scrub the FB and give the VF back."""
-        if vf.state == S.FULLACCESS:
+        gone = ON_GUEST_GONE.get(vf.state)
+        if gone is Gone.RESET:
             await self.resetter.flr(vf, "guest gone during init")
             return
-        if vf.state == S.ACTIVE:
+        if gone is Gone.SUSPEND:
             await self.suspend(vf, "guest gone")
-        if vf.state != S.SUSPEND:
+        elif gone is None:
             return
         async with self.lifecycle:
-            if vf.state != S.SUSPEND:
+            if ON_GUEST_GONE.get(vf.state) is not Gone.FINI:  # reset meanwhile
                 return
             try:
                 await self.off_schedule(vf)
@@ -382,12 +394,8 @@ class Host:
 
     async def clear_fb(self, vf: VF) -> None:
         async with self.lifecycle:
-            if vf.state in (S.FULLACCESS, S.ACTIVE, S.SUSPEND, S.RESETTING):
-                raise StateConflictError(
-                    f"VF{vf.index} is {vf.state} with a guest; `gpuvirt vf reset {vf.index}` instead"
-                )
-            if vf.state == S.UNAVAIL:
-                raise StateConflictError(f"VF{vf.index} is disabled; it has no FB")
+            if (why := admin_refusal(AdminOp.CLEAR_FB, vf)) is not None:
+                raise StateConflictError(f"VF{vf.index}: {why}")
             self.device.scrub(vf.index)
             self.events.emit(Category.ADMIN, "clear_fb", f"FB of VF{vf.index} scrubbed", vf.index)
 

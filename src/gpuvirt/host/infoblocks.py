@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from gpuvirt import defaults as D
 from gpuvirt.host.events import Category, EventLog
-from gpuvirt.host.vfmgr import VF, VFState
+from gpuvirt.host.vfmgr import VF, VF2PF_READ
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (
     BLOCK_SIZE,
@@ -27,8 +27,7 @@ from gpuvirt.protocol.info import (
     VF2PF,
     VF2PF_OFFSET,
 )
-
-_READ_IN = (VFState.ACTIVE, VFState.SUSPEND)
+from gpuvirt.text import printable
 
 
 class InfoBlocks:
@@ -73,9 +72,9 @@ class InfoBlocks:
     async def read_vf2pf(self, vf: VF, conn: object) -> None:
         """While this guest's session holds the VF: its VF2PF, every agreed period. A
         block bad `VF2PF_MAX_BAD` times in a row is no longer read (an event says so)."""
-        while vf.conn is conn and vf.state in _READ_IN and not vf.untrusted:
+        while vf.conn is conn and vf.state in VF2PF_READ and not vf.untrusted:
             await asyncio.sleep(D.VF2PF_INTERVAL_MS / 1000)  # the block's agreed period
-            if vf.conn is not conn or vf.state not in _READ_IN:
+            if vf.conn is not conn or vf.state not in VF2PF_READ:
                 return
             raw = bytes(self._maps[vf.index][VF2PF_OFFSET : VF2PF_OFFSET + BLOCK_SIZE])
             try:
@@ -91,14 +90,16 @@ class InfoBlocks:
                     )  # fmt: skip
                 continue
             vf.vf2pf_bad = 0
+            # the guest writes any string it likes here: escaped before anyone shows it
+            version = printable(info.driver_version)
             if not vf.vf2pf:
                 self.events.emit(
                     Category.MAILBOX, "vf2pf.first",
-                    f"guest reports {info.driver_version!r}, pid {info.pid}", vf.index,
-                    driver_version=info.driver_version, pid=info.pid,
+                    f"guest reports {version!r}, pid {info.pid}", vf.index,
+                    driver_version=version, pid=info.pid,
                 )  # fmt: skip
             vf.vf2pf = {
-                "driver_version": info.driver_version, "pid": info.pid,
+                "driver_version": version, "pid": info.pid,
                 "fb_used": info.fb_used, "launches_completed": info.launches_completed,
                 "netgpu_rx_bytes": info.netgpu_rx_bytes,
                 "read_at": time.time(),

@@ -5,7 +5,8 @@ Guest input reaches the host only here, as the 48-byte ATTACH frame and then
 VF's state before anything acts on it. Nothing a guest sends is unpickled or
 executed. A bad ATTACH gets FAIL and a closed connection; an unknown id gets
 FAIL with DW1 = the id and the connection stays up; a known id in the wrong
-state gets FAIL(BAD_STATE, DW3 = the id). A closed connection is a fini.
+state gets FAIL(BAD_STATE, DW3 = the id). A closed connection is a fini. Which
+request each state answers is `MAILBOX` in host/vfmgr.py, beside the VF table.
 
 Limits per peer (DESIGN.md, "Untrusted inputs"): at most `max_pending_attach`
 connections may be waiting to attach, each for `attach_timeout`; an attached
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 from gpuvirt.config import HostSection
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.ratelimit import EventThrottle, TokenBucket
-from gpuvirt.host.vfmgr import VF, VFState
+from gpuvirt.host.vfmgr import ATTACH, VF, mailbox_refusal
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.mailbox import (
     ATTACH_SIZE,
@@ -52,7 +53,6 @@ from gpuvirt.protocol.mailbox import (
     query_alive,
 )
 
-S = VFState
 _nonces = itertools.count(1)
 QUEUED_REQUESTS = 16  # per session; past this the reader waits for the worker
 READ_CHUNK = 256 * FRAME_SIZE
@@ -269,12 +269,8 @@ class Session:
         uids = vf.plan.allowed_uids
         if uids is not None and self.peer_uid not in uids:
             return self._refuse(FailReason.BAD_UID, f"uid {self.peer_uid} not allowed", att.vf)
-        if vf.state == S.QUARANTINED:
-            return self._refuse(FailReason.QUARANTINED, "VF is quarantined", att.vf)
-        if vf.state in (S.UNAVAIL, S.FAILED):
-            return self._refuse(FailReason.VF_DISABLED, f"VF is {vf.state}", att.vf)
-        if vf.conn is not None or vf.state != S.AVAIL:
-            return self._refuse(FailReason.VF_BUSY, f"VF is taken ({vf.state})", att.vf)
+        if (refusal := mailbox_refusal(ATTACH, vf)) is not None:
+            return self._refuse(refusal.reason, refusal.why, att.vf)
         self.vf = vf
         vf.conn = self
         vf.guest_pid, vf.guest_uid = self.peer_pid, self.peer_uid
@@ -370,25 +366,25 @@ class Session:
         host, vf = self.host, self.vf
         assert vf is not None
         G = GuestMsg
-        if msg == G.REQ_GPU_INIT_DATA and vf.state == S.AVAIL:
+        if (refusal := mailbox_refusal(msg, vf)) is not None:  # the state's rule (vfmgr)
+            self.send(Frame(HostMsg.FAIL, refusal.reason, 0, frame.msg))
+        elif msg == G.REQ_GPU_INIT_DATA:
             host.write_pf2vf(vf)
             self.send(Frame(HostMsg.GPU_INIT_DATA_READY))
-        elif msg == G.REQ_GPU_INIT_ACCESS and vf.state == S.AVAIL:
+        elif msg == G.REQ_GPU_INIT_ACCESS:
             await self._init_access(vf)
-        elif msg == G.REL_GPU_INIT_ACCESS and vf.state == S.FULLACCESS:
+        elif msg == G.REL_GPU_INIT_ACCESS:
             assert self.doorbell is not None
             await host.activate(vf, self.doorbell)
             self.send(Frame(HostMsg.SUCCESS, GuestMsg.REL_GPU_INIT_ACCESS))
-        elif msg == G.REQ_GPU_FINI_ACCESS and vf.state == S.ACTIVE:
+        elif msg == G.REQ_GPU_FINI_ACCESS:
             await host.suspend(vf, "guest fini")
             self.send(Frame(HostMsg.READY_TO_ACCESS_GPU))
-        elif msg == G.REL_GPU_FINI_ACCESS and vf.state == S.SUSPEND:
+        elif msg == G.REL_GPU_FINI_ACCESS:
             await host.guest_gone(vf)
             self._detach(vf)
             self.send(Frame(HostMsg.SUCCESS, GuestMsg.REL_GPU_FINI_ACCESS))
             self.close()
-        else:
-            self.send(Frame(HostMsg.FAIL, FailReason.BAD_STATE, 0, frame.msg))
 
     async def _init_access(self, vf: VF) -> None:
         host = self.host

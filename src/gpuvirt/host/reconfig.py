@@ -16,14 +16,10 @@ from typing import TYPE_CHECKING, Any
 from gpuvirt.config import VFSettings, format_size
 from gpuvirt.errors import ConfigError, StateConflictError
 from gpuvirt.host.events import Category
-from gpuvirt.host.vfmgr import VF, VFEvent, VFState
+from gpuvirt.host.vfmgr import VF, AdminOp, VFEvent, admin_refusal, enabled
 
 if TYPE_CHECKING:
     from gpuvirt.host.daemon import Host
-
-S = VFState
-# A guest holds the VF (or is attaching to it); its FB must stay as it is.
-_GUEST_HELD = frozenset({S.FULLACCESS, S.ACTIVE, S.SUSPEND})
 
 
 async def set_vf(host: Host, vf: VF, settings: VFSettings, caller: str = "admin") -> None:
@@ -64,17 +60,8 @@ async def set_vf(host: Host, vf: VF, settings: VFSettings, caller: str = "admin"
 
 
 def _check_fb(host: Host, vf: VF, fb: int) -> None:
-    if vf.conn is not None or vf.state in _GUEST_HELD:
-        pid = f" (pid {vf.guest_pid})" if vf.guest_pid else ""
-        raise StateConflictError(
-            f"fb = {format_size(fb)}: VF{vf.index} has a guest{pid} ({vf.state}); its FB "
-            "can change only while it has none: detach the guest, or "
-            f"`gpuvirt vf disable {vf.index}` first"
-        )
-    if vf.state == S.RESETTING:
-        raise StateConflictError(
-            f"fb = {format_size(fb)}: VF{vf.index} is RESETTING; try again once it is AVAIL"
-        )
+    if (why := admin_refusal(AdminOp.SET_FB, vf)) is not None:
+        raise StateConflictError(f"fb = {format_size(fb)}: VF{vf.index}: {why}")
     others = sum(v.fb for v in host.vfm.vfs if v is not vf)
     pf_fb = host.config.device.pf_fb
     room = host.fb_total - pf_fb - others
@@ -87,9 +74,9 @@ def _check_fb(host: Host, vf: VF, fb: int) -> None:
 
 
 async def _recarve(host: Host, vf: VF, fb: int) -> None:
-    if vf.state == S.UNAVAIL:
+    if not enabled(vf):
         return  # no FB now; `vf enable` carves the new size
-    if vf.state != S.AVAIL:
+    if not host.vfm.accepts(vf, VFEvent.RECARVE):
         host.renew_fb(vf, fb)  # QUARANTINED or FAILED: no engine holds the FB
         return
     host.vfm.send(vf, VFEvent.RECARVE, f"FB re-carved to {format_size(fb)}")

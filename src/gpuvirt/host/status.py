@@ -20,9 +20,8 @@ from gpuvirt.device.sandbox.policy import Report
 from gpuvirt.host.policy import Policy
 from gpuvirt.host.reset import Guard
 from gpuvirt.host.sched import Scheduler
-from gpuvirt.host.vfmgr import VF, VFManager, VFState
+from gpuvirt.host.vfmgr import GUEST_STATES, VF, VFEvent, VFManager, enabled
 
-S = VFState
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SHARE_WINDOW = 5  # samples (1 s apart) behind the achieved share
 
@@ -73,11 +72,10 @@ class StatusReport:
 
     def configured_shares(self) -> dict[int, float]:
         policy = self.sched.policy
-        vfs = [vf for vf in self.vfm.vfs if vf.state != S.UNAVAIL]
-        if policy == Policy.FAIRNESS:
-            pool = vfs
-        else:
-            pool = [vf for vf in vfs if vf.state in (S.ACTIVE, S.FULLACCESS)]
+        vfs = [vf for vf in self.vfm.vfs if enabled(vf)]
+        # fairness: every enabled VF has its slice; the others: only VFs with a guest.
+        fair = policy == Policy.FAIRNESS
+        pool = vfs if fair else [vf for vf in vfs if vf.state in GUEST_STATES]
         if not pool:
             return {}
         if policy == Policy.WEIGHTED:
@@ -126,7 +124,7 @@ class StatusReport:
                 "recent_flrs": len(vf.flr_times),
                 "limit": self.guard.count,
                 "window_s": self.guard.window_s,
-                "tripped": vf.state == S.QUARANTINED,
+                "tripped": self.vfm.accepts(vf, VFEvent.CLEAR_GUARD),  # only a quarantine takes it
                 "trips": vf.guard_trips,
             },
             "vf2pf_untrusted": vf.untrusted,

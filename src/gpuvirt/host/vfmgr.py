@@ -17,6 +17,13 @@ asks `accepts` first). Every transition is a STATE event in the log.
 
 A device reset skips QUARANTINED VFs (no DEVICE_RESET from there): only an
 admin's clear-guard ends a quarantine.
+
+The guards live here too: what each state allows that is not an event of the
+table. No other module tests `vf.state`; it asks the table (`accepts`) or a
+guard below: `MAILBOX` (a guest's request × the state: answered, or which FAIL),
+`ADMIN` (clear-fb and an FB change × the state: allowed, or why not), and the
+state sets the daemon, the info blocks and the status report go by.
+tests/test_vf_states.py walks every pair of each, as it walks the table.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from gpuvirt.errors import StateError
 from gpuvirt.host.events import Category, EventLog
+from gpuvirt.protocol.mailbox import FailReason, GuestMsg
 
 if TYPE_CHECKING:
     from gpuvirt.config import VFPlan
@@ -102,8 +110,125 @@ def _table() -> dict[tuple[VFState, VFEvent], tuple[VFState, Action]]:
 
 
 TABLE: dict[tuple[VFState, VFEvent], tuple[VFState, Action]] = _table()
-# States in which a guest holds the VF and the scheduler may run its work.
+
+# ---- guards ------------------------------------------------------------------------
+
+# A guest holds the VF: initializing, working or finishing. Its FB stays as it is.
+GUEST_HELD = frozenset({S.FULLACCESS, S.ACTIVE, S.SUSPEND})
+# A guest's work may run: initializing (alone on the device) or active.
 GUEST_STATES = frozenset({S.FULLACCESS, S.ACTIVE})
+# The guest has set up (REL_GPU_INIT_ACCESS) and not yet left: its VF2PF is read.
+VF2PF_READ = frozenset({S.ACTIVE, S.SUSPEND})
+
+
+def enabled(vf: VF) -> bool:
+    """The VF has an engine and an FB, or is getting or lost them: anything but UNAVAIL."""
+    return vf.state is not S.UNAVAIL
+
+
+class Gone(Enum):
+    """What a guest's going (fini, closed connection, lost liveness) asks of its VF."""
+
+    RESET = "reset"  # mid-init: the half set-up VF is reset (FLR)
+    SUSPEND = "suspend"  # working: off the schedule, then as FINI
+    FINI = "fini"  # finished: FB scrubbed, a fresh engine, AVAIL
+
+
+# States not listed: the VF is resetting or gone already; nothing more to do.
+ON_GUEST_GONE = {S.FULLACCESS: Gone.RESET, S.ACTIVE: Gone.SUSPEND, S.SUSPEND: Gone.FINI}
+
+ATTACH: Literal["ATTACH"] = "ATTACH"  # a connection's first frame (no GuestMsg id)
+MailboxMsg = GuestMsg | Literal["ATTACH"]
+
+
+class Refusal(NamedTuple):
+    reason: FailReason  # DW1 of the FAIL frame
+    why: str  # for the event log: the request, the state and why
+
+
+# The request each state answers; any other state gets FAIL(BAD_STATE, DW3 = the id).
+_REQUEST_IN = {
+    GuestMsg.REQ_GPU_INIT_DATA: S.AVAIL,
+    GuestMsg.REQ_GPU_INIT_ACCESS: S.AVAIL,
+    GuestMsg.REL_GPU_INIT_ACCESS: S.FULLACCESS,
+    GuestMsg.REQ_GPU_FINI_ACCESS: S.ACTIVE,
+    GuestMsg.REL_GPU_FINI_ACCESS: S.SUSPEND,
+}
+# Heard in any state: a reset request (the resetter takes what the table allows) and
+# two notes (READY_TO_RESET matters only during an FLR, LOG_VF_ERROR is logged).
+_ANY_STATE = (GuestMsg.REQ_GPU_RESET_ACCESS, GuestMsg.READY_TO_RESET, GuestMsg.LOG_VF_ERROR)
+_ATTACH_REFUSED = {
+    S.QUARANTINED: (FailReason.QUARANTINED, "the VF is quarantined (gpuvirt vf clear-guard)"),
+    S.UNAVAIL: (FailReason.VF_DISABLED, "the VF is disabled"),
+    S.FAILED: (FailReason.VF_DISABLED, "the VF failed; a device reset may recover it"),
+}
+
+
+def _mailbox() -> dict[tuple[MailboxMsg, VFState], Refusal | None]:
+    t: dict[tuple[MailboxMsg, VFState], Refusal | None] = {}
+    for state in VFState:
+        if state is S.AVAIL:
+            t[ATTACH, state] = None
+        else:
+            reason, why = _ATTACH_REFUSED.get(state, (FailReason.VF_BUSY, "the VF is taken"))
+            t[ATTACH, state] = Refusal(reason, f"ATTACH refused in {state}: {why}")
+        for msg in GuestMsg:
+            home = _REQUEST_IN.get(msg)
+            if home is None or home is state:
+                t[msg, state] = None
+            else:
+                t[msg, state] = Refusal(
+                    FailReason.BAD_STATE, f"{msg.name} refused in {state}: answered in {home}"
+                )
+    assert {m for m in GuestMsg if m not in _REQUEST_IN} == set(_ANY_STATE)
+    return t
+
+
+# (request, state) -> None (answered) or the refusal: every pair.
+MAILBOX = _mailbox()
+
+
+def mailbox_refusal(msg: MailboxMsg, vf: VF) -> Refusal | None:
+    """Whether the mailbox answers `msg` for this VF now; a VF has one guest at a time."""
+    if msg == ATTACH and vf.conn is not None:
+        return Refusal(FailReason.VF_BUSY, f"ATTACH refused in {vf.state}: the VF has a guest")
+    return MAILBOX[msg, vf.state]
+
+
+class AdminOp(StrEnum):
+    """Admin requests that are no event of the table but need the right state."""
+
+    CLEAR_FB = "clear-fb"  # scrub the FB of a VF without a guest
+    SET_FB = "set fb"  # re-carve the FB (vf set --fb)
+
+
+def _admin() -> dict[tuple[AdminOp, VFState], str | None]:
+    t: dict[tuple[AdminOp, VFState], str | None] = {}
+    for state in VFState:
+        for op in AdminOp:
+            if state in GUEST_HELD:
+                why = "the VF has a guest; detach it, or `gpuvirt vf disable` the VF first"
+            elif state is S.RESETTING:
+                why = "try again once it is AVAIL"
+            elif state is S.UNAVAIL and op is AdminOp.CLEAR_FB:
+                why = "it is disabled; it has no FB"
+            else:
+                t[op, state] = None  # SET_FB of a disabled VF: its next enable carves it
+                continue
+            t[op, state] = f"{op} refused in {state}: {why}"
+    return t
+
+
+# (admin request, state) -> None (allowed) or why not: every pair.
+ADMIN = _admin()
+
+
+def admin_refusal(op: AdminOp, vf: VF) -> str | None:
+    """Why `op` cannot be done to this VF now, or None. An attached guest counts in any
+    state: one that has not asked for init yet may have read its PF2VF."""
+    if vf.conn is not None and vf.state not in GUEST_HELD:
+        return f"{op} refused in {vf.state}: the VF has a guest (pid {vf.guest_pid})"
+    return ADMIN[op, vf.state]
 
 
 @dataclass
