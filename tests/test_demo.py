@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuvirt.cli.demo.sender import netgpu_available
+from gpuvirt.device.cuda import cupy_installed
 
 FLR_STEPS = {"off_schedule", "notify", "kill", "scrub", "engine_start"}
 
@@ -66,13 +68,17 @@ def test_demo_verifies_everything_and_leaves_nothing_behind() -> None:
     work = {x["vf"]: x for x in s["work"]}
     assert all(x["verified"] > 0 and x["failed"] == 0 and x["ok"] for x in work.values())
     roles = {vf: x["role"] for vf, x in work.items()}
-    assert roles == {0: "netgpu", 1: "compute", 2: "hang"}
+    assert roles == {0: "netgpu", 1: "compute", 2: "hostile"}
 
-    # The hang: one FLR, of that VF only, with its steps; its guest went on afterwards.
-    (flr,) = s["flrs"]
-    assert flr["vf"] == 2 and flr["reason"] == "job_timeout"
-    assert flr["steps_ms"].keys() >= FLR_STEPS and flr["total_ms"] > 0
-    assert work[2]["resets"] == 1 and work[2]["verified_after_reset"] >= 1
+    # The hang, then the fault (a write through a bad pointer kills the engine): one FLR
+    # each, of that VF only, with its steps; its guest went on after each.
+    hang, fault = s["flrs"]
+    assert (hang["vf"], hang["incident"], hang["reason"]) == (2, "hang", "job_timeout")
+    assert (fault["vf"], fault["incident"], fault["reason"]) == (2, "fault", "engine_died")
+    for flr in (hang, fault):
+        assert flr["steps_ms"].keys() >= FLR_STEPS and flr["total_ms"] > 0
+    assert work[2]["resets"] == 2 and work[2]["verified_after_reset"] >= 1
+    assert work[2]["incidents"]["fault"]["flr_reason"] == "engine_died"
     assert work[0]["resets"] == work[1]["resets"] == 0
 
     # NetGPU: every byte sent arrived and hashed the same, unless this build has no NetGPU.
@@ -86,6 +92,47 @@ def test_demo_verifies_everything_and_leaves_nothing_behind() -> None:
 
     # Nothing left running: host, every engine it had (the reset VF's old one too), guests.
     pids = [s["pids"]["host"], *s["pids"]["engines"], *s["pids"]["guests"]]
-    assert len(s["pids"]["engines"]) >= 4, "three engines, and a fresh one after the FLR"
+    assert len(s["pids"]["engines"]) >= 5, "three engines, and a fresh one after each FLR"
     assert [p for p in pids if running(p)] == []
     assert orphan_engines() - orphans_before == set(), "an engine outlived its host"
+
+
+def _demo_cuda(env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuvirt", "demo", "--backend", "cuda", "--duration", "2"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(cupy_installed(), reason="CuPy is installed here")
+def test_demo_on_cuda_without_cupy_refuses_and_says_why() -> None:
+    r = _demo_cuda()
+    assert r.returncode == 2, r.stderr
+    text = " ".join(r.stderr.split())
+    assert "cannot run here" in text and "needs CuPy" in text and "emu" in text
+    assert "Traceback" not in r.stderr
+
+
+def test_demo_on_cuda_without_a_usable_gpu_refuses_and_says_why(tmp_path: Path) -> None:
+    # A CuPy that imports but finds no device, as on a machine without an NVIDIA GPU.
+    pkg = tmp_path / "cupy"
+    (pkg / "cuda").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("__version__ = '14.0.0'\nfrom cupy import cuda\n")
+    (pkg / "cuda" / "__init__.py").write_text("from cupy.cuda import runtime\n")
+    (pkg / "cuda" / "runtime.py").write_text(
+        "def getDeviceCount():\n"
+        "    raise RuntimeError('cudaErrorNoDevice: no CUDA-capable device is detected')\n"
+    )
+    r = _demo_cuda({**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    assert r.returncode == 2, r.stderr
+    text = " ".join(r.stderr.split())
+    assert "no usable NVIDIA GPU" in text and "cudaErrorNoDevice" in text
+    assert "Traceback" not in r.stderr
+
+
+def test_demo_refuses_an_unknown_backend() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuvirt", "demo", "--backend", "rocm"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "one of emu, cuda" in r.stderr

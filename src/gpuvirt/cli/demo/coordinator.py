@@ -1,9 +1,11 @@
 """The demo's coordinator: a scratch host, one guest per VF, the run driven to its end.
 
-A scratch host with N VFs (weights 1..N, policy `weighted`) and one guest
-process per VF (see worker.py). VF0 ingests a NetGPU stream; the heaviest
-VF launches a kernel that never returns, which the host catches
-(job_timeout), resets (FLR) and hands back while the others keep working.
+A scratch host with N VFs (weights 1..N, policy `weighted`) on emu or on a
+real GPU (cuda), and one guest process per VF (see worker.py). VF0 ingests a
+NetGPU stream; the heaviest VF launches a kernel that never returns, which
+the host catches (job_timeout), resets (FLR) and hands back, then a kernel
+that faults (a write through a bad pointer), whose engine dies and is reset
+too; the others keep working and verifying throughout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gpuvirt.cli.demo.knobs import (
     ATTACH_TIMEOUT_S,
     HANG_AT,
     HANG_TIMEOUT_S,
+    INCIDENTS,
     JOB_TIMEOUT_S,
     KILL_AFTER_S,
     MATRIX_N,
@@ -38,30 +41,40 @@ from gpuvirt.cli.demo.summary import summarize
 from gpuvirt.errors import GpuvirtError
 
 
-def demo_config(n: int) -> dict[str, Any]:
+def demo_config(n: int, backend: str = "emu") -> dict[str, Any]:
     return {
+        "device": {"backend": backend},
         "sriov": {"vf_num": n},
         "scheduler": {"policy": "weighted", "job_timeout_s": JOB_TIMEOUT_S},
         "vf": [{"index": i, "weight": float(i + 1)} for i in range(n)],
     }
 
 
-def run_demo(n: int, duration: float, show: Callable[[Run], None]) -> dict[str, Any]:
+def run_demo(
+    n: int, duration: float, show: Callable[[Run], None], backend: str = "emu"
+) -> dict[str, Any]:
+    """The run and its summary; DeviceError (before anything starts) where the backend
+    cannot run here, e.g. cuda without CuPy or without a usable GPU."""
     from gpuvirt.bench.common import scratch_host
 
-    run = Run(n, duration)
+    if backend == "cuda":
+        from gpuvirt.device.cuda import probe_gpu
+
+        # The host would refuse too, but only in its log; this says why in one line.
+        probe_gpu()
+    run = Run(n, duration, backend=backend)
     run.netgpu_skip = netgpu_available()
     started = time.time()
     # Once the run is over (or interrupted), a further Ctrl-C must not cut the
     # cleanup short and leave processes behind; every step of it has a timeout.
     previous: Any = None
     try:
-        with scratch_host(env=QUIET_BLAS, **demo_config(n)) as hp:
+        with scratch_host(env=QUIET_BLAS, **demo_config(n, backend)) as hp:
             try:
                 _drive(run, hp, show)
             except BaseException:
                 previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-                finish_all(run.guests, KILL_AFTER_S)  # they may be mid-hang: no long wait
+                finish_all(run.guests, KILL_AFTER_S)  # they may be mid-incident: no long wait
                 raise
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
             finish_all(run.guests, STOP_TIMEOUT_S)
@@ -124,7 +137,7 @@ def _drive(run: Run, hp: Any, show: Callable[[Run], None]) -> None:
     sel = selectors.DefaultSelector()
     for g in run.guests:
         sel.register(g.fd, selectors.EVENT_READ, g)
-    hang_guest = next(g for g in run.guests if g.role == "hang")
+    hostile = next(g for g in run.guests if g.role == "hostile")
     last_event = 0
 
     def tick(deadline: float) -> None:
@@ -158,17 +171,22 @@ def _drive(run: Run, hp: Any, show: Callable[[Run], None]) -> None:
         tick(time.monotonic() + REFRESH_S)
     run.phase = "running"
     run.t0 = time.monotonic()
-    hang_at = run.t0 + max(1.0, HANG_AT * run.duration)
-    give_up = run.t0 + run.duration + HANG_TIMEOUT_S
+    first_at = run.t0 + max(1.0, HANG_AT * run.duration)
+    give_up = run.t0 + run.duration + len(INCIDENTS) * HANG_TIMEOUT_S
     while True:
         now = time.monotonic()
-        if not run.hang_sent and now >= hang_at:
-            hang_guest.tell("hang")
-            run.hang_sent = True
-        # The run ends at its duration, once the hang is recovered from and the stream is in.
-        hang_over = "recovered" in hang_guest.hang or hang_guest.eof
+        due = next_incident(run.sent, hostile.incidents, now >= first_at)
+        if due is not None:
+            hostile.tell(due)
+            run.sent.append(due)
+        # The run ends at its duration, once every incident is recovered from and the
+        # stream is in.
+        incidents_over = hostile.eof or (
+            len(run.sent) == len(INCIDENTS)
+            and "recovered" in hostile.incidents.get(run.sent[-1], {})
+        )
         stream_over = run.sender is None or _netgpu_over(run)
-        if now >= run.t0 + run.duration and run.hang_sent and hang_over and stream_over:
+        if now >= run.t0 + run.duration and incidents_over and stream_over:
             break
         if now >= give_up or all(g.eof for g in run.guests):
             break
@@ -183,6 +201,16 @@ def _drive(run: Run, hp: Any, show: Callable[[Run], None]) -> None:
     with contextlib.suppress(GpuvirtError):
         run.status = hp.admin.status()
         run.events.extend(events_cli.fetch(hp.admin, last_event, None))
+
+
+def next_incident(sent: list[str], seen: dict[str, dict[str, Any]], started: bool) -> str | None:
+    """The incident to order now: the first once the run is under way, each next one
+    once the guest is back from the last one's reset (one VF reset at a time)."""
+    if not started or len(sent) == len(INCIDENTS):
+        return None
+    if sent and "recovered" not in seen.get(sent[-1], {}):
+        return None
+    return INCIDENTS[len(sent)]
 
 
 def _netgpu_over(run: Run) -> bool:

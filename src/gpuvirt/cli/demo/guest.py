@@ -34,7 +34,7 @@ class Guest:
         self.attached = False
         self.last: dict[str, Any] = {}
         self.done: dict[str, Any] | None = None
-        self.hang: dict[str, Any] = {}
+        self.incidents: dict[str, dict[str, Any]] = {}  # kind -> what the guest reported
         self.netgpu_bytes = 0
         self.netgpu_over = False  # the guest's receiver ended: all in, or failed
         self.eof = False
@@ -64,10 +64,8 @@ class Guest:
             self.attached = True
         elif ev == "progress":
             self.last = m
-        elif ev in ("recovering", "recovered"):
-            self.hang = m["hang"]
-        elif ev == "hang_submitted":
-            self.hang = {"submitted": m["t"]}
+        elif ev in ("incident", "recovering", "recovered"):
+            self.incidents[m["kind"]] = m["info"]
         elif ev == "netgpu":
             self.netgpu_bytes = m["bytes"]
             self.netgpu_over = bool(m.get("final"))

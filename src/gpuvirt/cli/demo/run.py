@@ -22,13 +22,15 @@ class Run:
     meter: ShareMeter = field(default_factory=ShareMeter)
     events: list[dict[str, Any]] = field(default_factory=list)
     t0: float = 0.0
-    hang_sent: bool = False
+    backend: str = "emu"
+    sent: list[str] = field(default_factory=list)  # incidents ordered so far, in order
     phase: str = "starting"
 
 
 def roles(n: int) -> dict[int, str]:
-    """VF0 ingests the stream; the heaviest VF hangs (it reaches job_timeout soonest)."""
+    """VF0 ingests the stream; the heaviest VF is the hostile one (it reaches job_timeout
+    soonest): its hang and its fault are reset while the others work on."""
     r = dict.fromkeys(range(n), "compute")
     r[0] = "netgpu"
-    r[n - 1] = "hang"
+    r[n - 1] = "hostile"
     return r

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuvirt.cli.demo.guest import Guest
-from gpuvirt.cli.demo.knobs import STOP_TIMEOUT_S
+from gpuvirt.cli.demo.knobs import INCIDENTS, STOP_TIMEOUT_S
 from gpuvirt.cli.demo.meter import ShareMeter
 from gpuvirt.cli.demo.run import Run
 
@@ -55,19 +55,24 @@ def summarize(run: Run, host_pid: int, wall_s: float) -> dict[str, Any]:
         for i, w in weights.items()
     ]  # fmt: skip
     flrs = flrs_from_events(run.events)
+    hostile = [f for f in flrs if any(g.vf == f["vf"] and g.role == "hostile" for g in run.guests)]
+    for kind, f in zip(INCIDENTS, hostile, strict=False):
+        f["incident"] = kind
     work = []
     for g in run.guests:
         row, problems = _work_row(g, flrs)
         failures.extend(f"VF{g.vf}: {p}" for p in problems)
         work.append(row)
     for f in flrs:
-        if all(g.vf != f["vf"] or g.role != "hang" for g in run.guests):
-            failures.append(f"VF{f['vf']}: an FLR hit a VF that did not hang ({f['reason']})")
+        if all(g.vf != f["vf"] or g.role != "hostile" for g in run.guests):
+            failures.append(
+                f"VF{f['vf']}: an FLR hit a VF that neither hung nor faulted ({f['reason']})"
+            )
     netgpu = _netgpu_summary(run, failures)
     sched = st.get("sched", {})
     return {
         "ok": not failures,
-        "backend": st.get("backend"),
+        "backend": st.get("backend", run.backend),
         "policy": st.get("policy"),
         "vfs": run.n,
         "duration_s": run.duration,
@@ -108,16 +113,24 @@ def _work_row(g: Guest, flrs: list[dict[str, Any]]) -> tuple[dict[str, Any], lis
     if not row["verified"]:
         problems.append("no result was verified")
     problems.extend(row["errors"])
-    if g.role == "hang":
-        h = d.get("hang") or g.hang
-        row["hang"] = {
-            "caught_after_ms": _ms(h.get("submitted"), h.get("error")),
-            "back_after_ms": _ms(h.get("error"), h.get("ready")),
-        }
-        if not any(f["vf"] == g.vf and not f.get("unfinished") for f in flrs):
-            problems.append("the hanging kernel was not reset by the host")
-        if row["resets"] < 1 or row["verified_after_reset"] < 1:
-            problems.append("the guest did not go on working after its reset")
+    if g.role == "hostile":
+        seen = d.get("incidents") or g.incidents
+        ours = [f for f in flrs if f["vf"] == g.vf and not f.get("unfinished")]
+        row["incidents"] = {}
+        for i, kind in enumerate(INCIDENTS):
+            h = seen.get(kind, {})
+            row["incidents"][kind] = {
+                "caught_after_ms": _ms(h.get("submitted"), h.get("error")),
+                "back_after_ms": _ms(h.get("error"), h.get("ready")),
+                "kernel_error": h.get("kernel_error"),
+                "flr_reason": ours[i]["reason"] if i < len(ours) else None,
+            }
+            if "recovered" not in h:
+                problems.append(f"the guest did not go on working after its {kind}'s reset")
+        if len(ours) < len(INCIDENTS):
+            problems.append(
+                f"{len(ours)} FLRs of this VF finished; its {' and '.join(INCIDENTS)} each need one"
+            )
     row["ok"] = not problems
     return row, problems
 

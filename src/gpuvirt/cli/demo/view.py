@@ -54,16 +54,18 @@ class View:
         if run.t0:
             t.append(f" · {time.monotonic() - run.t0:.0f}/{run.duration:g} s")
         t.append(f" · {run.phase}")
-        hang = next((g.hang for g in run.guests if g.role == "hang"), {})
-        if "recovered" in hang:
-            state = "recovered"
-        elif "error" in hang:
-            state = "reset, coming back"
-        elif hang:
-            state = "hung, waiting for the host"
-        else:
-            state = "sent" if run.hang_sent else "not yet"
-        t.append(f" · hang: {state}")
+        seen = next((g.incidents for g in run.guests if g.role == "hostile"), {})
+        for kind in run.sent:
+            h = seen.get(kind, {})
+            if "recovered" in h:
+                state = "recovered"
+            elif "error" in h:
+                state = "reset, coming back"
+            elif h:
+                state = "waiting for the host"
+            else:
+                state = "sent"
+            t.append(f" · {kind}: {state}")
         if run.sender is not None:
             t.append(f" · NetGPU stream: {top_cli.human_bytes(run.sender.sent)} sent")
         elif run.netgpu_skip:
@@ -74,7 +76,9 @@ class View:
 def summary_view(s: dict[str, Any]) -> Group:
     parts: list[RenderableType] = []
     t = Table(
-        title="shares of device time (policy weighted)", title_justify="left", header_style="bold"
+        title=f"shares of device time (policy weighted, {s['backend']})",
+        title_justify="left",
+        header_style="bold",
     )
     for c in ("VF", "weight", "configured", "achieved (run)", "achieved (steady)", "error"):
         t.add_column(c, justify="right")
@@ -108,13 +112,14 @@ def summary_view(s: dict[str, Any]) -> Group:
             style=style,
         ))  # fmt: skip
     t = Table(title="FLRs", title_justify="left", header_style="bold")
-    for c in ("VF", "reason", "total", "steps (ms)", "guest: caught after", "guest: back after"):
-        t.add_column(c, justify="left" if c in ("reason", "steps (ms)") else "right")
-    hang = {w["vf"]: w.get("hang", {}) for w in s["work"]}
+    for c in ("VF", "incident", "reason", "total", "steps (ms)", "guest: caught after",
+              "guest: back after"):  # fmt: skip
+        t.add_column(c, justify="left" if c in ("incident", "reason", "steps (ms)") else "right")
+    seen = {w["vf"]: w.get("incidents", {}) for w in s["work"]}
     for f in s["flrs"]:
-        h = hang.get(f["vf"], {})
+        h = seen.get(f["vf"], {}).get(f.get("incident", ""), {})
         t.add_row(
-            f"VF{f['vf']}", f["reason"] or "?",
+            f"VF{f['vf']}", f.get("incident", "-"), f["reason"] or "?",
             "-" if f["total_ms"] is None else f"{f['total_ms']:.1f} ms",
             ", ".join(f"{k} {v:.1f}" for k, v in f["steps_ms"].items()),
             _ms_text(h.get("caught_after_ms")), _ms_text(h.get("back_after_ms")),
