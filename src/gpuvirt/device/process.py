@@ -76,7 +76,7 @@ class ProcessEngine(Engine):
         if cmd is not WSCommand.INIT_GPU:
             return super().command(cmd, timeout)
         try:
-            return super().command(cmd, timeout)
+            took = super().command(cmd, timeout)
         except DeviceError as e:
             # A confined engine's own words on why its start failed (its stderr, through
             # a pipe only the host reads): the VF's FAILED reason and the event say them.
@@ -84,6 +84,8 @@ class ProcessEngine(Engine):
             if not said:
                 raise
             raise type(e)(f"{e}; engine stderr: {said}") from e
+        self._proc.close_stderr()  # started: the engine has let go of the pipe too
+        return took
 
     def _prepare(self) -> None:
         """Set status words the engine must find when it starts (before the spawn)."""

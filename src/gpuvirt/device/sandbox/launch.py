@@ -321,10 +321,14 @@ class Engined:
         if self._stat_fd is not None:
             os.close(self._stat_fd)
             self._stat_fd = None
+        self.close_stderr()
+        return code
+
+    def close_stderr(self) -> None:
+        """No more reading of the engine's stderr: its start is done, or it is gone."""
         if self.stderr is not None:
             os.close(self.stderr)
             self.stderr = None
-        return code
 
 
 _thread = threading.local()
