@@ -6,7 +6,9 @@ A tree of groups under `root`; each has its processes, its subtree_control and
 its limits. What a group may use (its cgroup.controllers) is its parent's
 subtree_control (the root's: what the kernel offers). Enforced:
 - a controller enabled in subtree_control must be in the group's
-  cgroup.controllers, else ENOENT; one write naming several is all or nothing;
+  cgroup.controllers, else ENOENT (EINVAL for one this tree does not have at
+  all: unknown, or bound to a v1 tree); one write naming several is all or
+  nothing;
 - no internal processes: a non-root group with processes cannot enable a
   controller (EBUSY), one with controllers enabled cannot take a process
   (EBUSY); the root is exempt;
@@ -150,6 +152,8 @@ class FakeCgroupFs:
             raise _err(errno.EINVAL, path)
         enable = {t[1:] for t in tokens if t[0] == "+"}
         disable = {t[1:] for t in tokens if t[0] == "-"}
+        if not (enable | disable) <= self.offered:  # unknown, or bound to a v1 tree
+            raise _err(errno.EINVAL, path)
         if not enable <= self.controllers(d):
             raise _err(errno.ENOENT, path)
         if enable - g.subtree and d != self.root and g.procs:

@@ -4,6 +4,9 @@ that enforces v2's rules (tests/fake_cgroupfs.py): the module's code runs unchan
 from __future__ import annotations
 
 import errno
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,11 @@ from gpuvirt.device.sandbox.cgroup import (
     SELF,
     EngineCgroup,
     detect,
+    own_paths,
     remove_instance,
 )
+from gpuvirt.device.sandbox.cgroup import ROOT as ROOT_REAL
+from gpuvirt.device.sandbox.cgroupfs import REAL, CgroupFs
 from gpuvirt.device.sandbox.policy import cgroup_findings, enforce, nproc
 from gpuvirt.errors import DeviceError
 
@@ -147,3 +153,59 @@ def test_a_host_started_from_an_earlier_hosts_leaf_does_not_nest() -> None:
     second = detect(ROOT, fs)  # now started from <own>/gv-host
     assert first.hier is not None and second.hier is not None
     assert second.hier.bases == first.hier.bases == {c: own / ENGINES for c in first.hier.bases}
+
+
+def _scenario(fs: CgroupFs, parent: Path, pid: int, absent: str) -> list[str]:
+    """The same steps on a cgroup v2 tree, each answered 'ok' or its errno name."""
+
+    def attempt(fn, *args) -> str:  # type: ignore[no-untyped-def]
+        try:
+            fn(*args)
+        except OSError as e:
+            return errno.errorcode[e.errno or 0]
+        return "ok"
+
+    child = parent / f"gv-agree-{os.getpid()}"
+    fs.mkdir(child)
+    try:
+        return [
+            attempt(fs.write, child / "cgroup.subtree_control", f"+{absent}"),
+            attempt(fs.write, child / f"{absent}.max", "max"),  # not enabled: no such file
+            attempt(fs.write, child / "cgroup.procs", str(pid)),
+            attempt(fs.rmdir, child),  # it holds a process
+            attempt(fs.write, child / "cgroup.freeze", "1"),
+            attempt(fs.write, child / "cgroup.kill", "1"),
+        ]
+    finally:
+        for _ in range(1000):  # the killed process leaves the group as it is torn down
+            if not fs.read(child / "cgroup.procs").strip():
+                break
+            time.sleep(0.01)
+        fs.rmdir(child)
+
+
+def test_the_stand_in_answers_as_this_machines_kernel_does() -> None:
+    """The same steps against the kernel's own v2 tree (here: hybrid's empty one, as
+    root) and against the stand-in: the same answers, so the stand-in's rules are the
+    kernel's, not our idea of them."""
+    v2 = ROOT_REAL / "unified" if (ROOT_REAL / "unified" / "cgroup.procs").exists() else ROOT_REAL
+    assert (v2 / "cgroup.procs").exists(), "no cgroup v2 tree mounted"
+    parent = v2 / own_paths()[""].lstrip("/")
+    offered = set(REAL.read(parent / "cgroup.subtree_control").split())
+    absent = next(c for c in ("rdma", "misc", "memory") if c not in offered)
+    victim = subprocess.Popen(["sleep", "600"])
+    try:
+        real = _scenario(REAL, parent, victim.pid, absent)
+    finally:
+        victim.kill()
+        victim.wait()
+    # the stand-in as this machine's tree: the same controllers, the same offered
+    fake = FakeCgroupFs(ROOT, set(REAL.read(v2 / "cgroup.controllers").split()), HOST)
+    fake.group("user.slice", (HOST, ENGINE))
+    fake.groups[ROOT].subtree = set(fake.offered)
+    fake.group("user.slice", subtree=offered)
+    assert real == _scenario(fake, ROOT / "user.slice", ENGINE, absent)
+    # the first: ENOENT where the tree has the controller but it is not offered (the
+    # H200's pids), EINVAL where the tree has no such controller (a hybrid's memory)
+    assert real[0] in ("ENOENT", "EINVAL")
+    assert real[1:] == ["ENOENT", "ok", "EBUSY", "ok", "ok"]
