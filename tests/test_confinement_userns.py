@@ -116,7 +116,10 @@ def test_an_ordinary_users_host_confines_its_engines_with_a_user_namespace() -> 
             )
     finally:
         secret.unlink()
-    assert r.returncode == 0, f"checks as {USER} failed (exit {r.returncode}): {r.stderr[-3000:]}"
+    assert r.returncode == 0, (
+        f"checks as {USER} failed (exit {r.returncode}; it must be able to read "
+        f"{sysconfig.get_paths()['purelib']}, the checkout and {TESTS}): {r.stderr[-3000:]}"
+    )
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["host_euid"] == pw.pw_uid != 0
     rep = out["report"]

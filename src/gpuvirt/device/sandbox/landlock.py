@@ -25,8 +25,9 @@ Not granted, because the driver does not need them here: /dev/shm (CUDA IPC
 between processes; an engine is one process and gets its FB as a descriptor),
 running nvidia-modprobe (a setuid helper the driver runs only when a device
 node is missing; no_new_privs and seccomp stop it anyway: load nvidia-uvm on the
-host), MAKE_* anywhere but the scratch. Reads of /proc/driver/nvidia, /sys and
-the libraries are covered by the read rule on /. memfd_create (the driver's
+host), MAKE_* anywhere but the scratch. Reads of /proc/driver/nvidia, /sys,
+/dev/nvidia-caps (MIG capabilities, opened read-only) and the libraries are
+covered by the read rule on /. memfd_create (the driver's
 shared buffers) is a syscall, not a path: Landlock does not see it.
 """
 
