@@ -10,10 +10,12 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from gpuvirt.admin_client import AdminClient
 from gpuvirt.config import HostConfig, load_config
 from gpuvirt.errors import GpuvirtError
+from gpuvirt.text import printable, printable_data
 
 # Off a terminal rich assumes 80 columns, which folds the VF tables; pipes and logs
 # get the width `top` uses there too.
@@ -32,7 +34,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a t
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     # One line however long (logs and scripts grep it), not folded at 80 columns.
-    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(printable(message))}", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -57,4 +59,11 @@ def call(fn: Any, *args: Any) -> Any:
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    # the host escapes what tenants write (gpuvirt.text); so does every printer, so
+    # that `jq -r` of any field cannot reach a terminal's controls either
+    sys.stdout.write(json.dumps(printable_data(obj), indent=2, default=str) + "\n")
+
+
+def cell(value: Any) -> Text:
+    """A value as a table cell: escaped, and rich Text, so `[link=...]` in it is letters."""
+    return Text(printable(value))

@@ -23,6 +23,7 @@ from gpuvirt.admin_client import AdminClient
 from gpuvirt.cli.common import ConfigOpt, admin, err_console, fail
 from gpuvirt.cli.top import make_console, quiet_broken_pipe
 from gpuvirt.errors import GpuvirtError, HostUnreachableError
+from gpuvirt.text import printable, printable_data
 
 FIELDS = ("seq", "ts", "category", "kind", "vf", "message", "data")
 CATEGORY_STYLE = {
@@ -68,15 +69,16 @@ def event_text(ev: Mapping[str, Any]) -> Text:
     t = Text()
     t.append(f"{stamp} ", style="dim")
     t.append(f"{ev['seq']:>6} ", style="dim")
-    t.append(f"{ev['category']:<7} ", style=CATEGORY_STYLE.get(ev["category"], ""))
-    t.append(f"{ev['kind']:<22} ", style="bold")
+    t.append(f"{printable(ev['category']):<7} ", style=CATEGORY_STYLE.get(ev["category"], ""))
+    t.append(f"{printable(ev['kind']):<22} ", style="bold")
     t.append(f"{vf:<4} ")
-    t.append(ev["message"])
+    t.append(printable(ev["message"]))  # the host escapes it too; an older host did not
     return t
 
 
 def event_json(ev: Mapping[str, Any]) -> str:
-    return json_mod.dumps({k: ev.get(k) for k in FIELDS}, separators=(",", ":"), default=str)
+    fields = printable_data({k: ev.get(k) for k in FIELDS})
+    return json_mod.dumps(fields, separators=(",", ":"), default=str)
 
 
 def fetch(

@@ -27,6 +27,7 @@ from rich.text import Text
 from gpuvirt.admin_client import AdminClient
 from gpuvirt.cli.common import ConfigOpt, JsonOpt, admin, fail, print_json
 from gpuvirt.errors import GpuvirtError
+from gpuvirt.text import printable
 
 STATE_STYLE = {
     "ACTIVE": "green", "AVAIL": "cyan", "FULLACCESS": "yellow", "SUSPEND": "blue",
@@ -225,9 +226,8 @@ def last_flrs(status: Mapping[str, Any]) -> Text | None:
         f = v.get("last_flr")
         if f:
             steps = ", ".join(f"{k} {ms:.1f}" for k, ms in f.get("steps", {}).items())
-            lines.append(
-                f"VF{v['index']} last FLR: {f['reason']}, {f['total_ms']:.1f} ms ({steps} ms)"
-            )
+            line = f"VF{v['index']} last FLR: {f['reason']}, {f['total_ms']:.1f} ms ({steps} ms)"
+            lines.append(printable(line))  # a reason may carry an engine's (tenant's) words
     return Text("\n".join(lines), style="dim") if lines else None
 
 
@@ -248,7 +248,7 @@ def frame(
 
 
 def error_frame(message: str) -> Text:
-    return Text(f"gpuvirt top: {message}", style="bold red")
+    return Text(f"gpuvirt top: {printable(message)}", style="bold red")
 
 
 def with_rates(

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from gpuvirt.cli.common import ConfigOpt, JsonOpt, admin, call, console, fail, print_json
+from gpuvirt.cli.common import ConfigOpt, JsonOpt, admin, call, cell, console, fail, print_json
 from gpuvirt.config import format_size
 
 app = typer.Typer(help="Show and manage virtual functions.", no_args_is_help=True)
@@ -77,7 +77,7 @@ def show(index: Index, config: ConfigOpt = None, json: JsonOpt = False) -> None:
     t.add_column(style="bold")
     t.add_column()
     for k, val in v.items():
-        t.add_row(k, str(val))
+        t.add_row(cell(k), cell(val))  # driver_version is the guest's own text
     console.print(t)
 
 

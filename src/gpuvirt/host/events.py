@@ -5,8 +5,10 @@ bounded in-memory ring for the admin endpoint. Events are emitted from the
 asyncio loop and from the scheduler thread, hence the lock (host-internal only;
 no engine or guest ever touches it).
 
-Guests can make the host emit events (refusals, LOG_VF_ERROR), so nothing here
-may grow with what they send: the file is rotated at `max_bytes` (events.jsonl.1
+Guests can make the host emit events (refusals, LOG_VF_ERROR) and put their own
+text in them (a VF2PF driver version, an engine's stderr in a failure), so every
+string of an event is escaped here (gpuvirt.text), and nothing here may grow with
+what they send: the file is rotated at `max_bytes` (events.jsonl.1
 .. .N kept), and reset and guard events live in a ring of their own per VF, so
 a flood of other events, or another VF's resets, never pushes a VF's FLR
 history out.
@@ -26,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+from gpuvirt.text import printable, printable_data
 
 
 class Category(StrEnum):
@@ -100,7 +104,15 @@ class EventLog:
     ) -> Event:
         with self._lock:
             self._seq += 1
-            ev = Event(self._seq, time.time(), str(category), kind, vf, message, data)
+            ev = Event(
+                self._seq,
+                time.time(),
+                str(category),
+                kind,
+                vf,
+                printable(message),
+                printable_data(data),
+            )
             if category in HISTORY:
                 self._history.setdefault(vf, deque(maxlen=HISTORY_KEEP)).append(ev)
             else:
