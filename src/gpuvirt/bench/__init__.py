@@ -13,5 +13,8 @@ SUITES: dict[str, str] = {
     "scale": "gpuvirt.bench.scale",
     "chaos": "gpuvirt.bench.chaos",
     "fuzz": "gpuvirt.bench.fuzz",
+    "isolation": "gpuvirt.bench.isolation",
 }
-LONG = ("chaos", "fuzz")  # run only when named: not part of `bench all`
+# Run only when named, not part of `bench all`: chaos and fuzz take long; isolation
+# needs a GPU (it refuses on emu).
+LONG = ("chaos", "fuzz", "isolation")

@@ -14,6 +14,7 @@ from gpuvirt.bench import LONG, SUITES
 from gpuvirt.bench.common import SANDBOX_ENV, Result
 from gpuvirt.bench.sched_wait import parse_weights
 from gpuvirt.cli.common import JsonOpt, console, fail, print_json
+from gpuvirt.errors import DeviceError
 
 
 def run_suite(name: str, quick: bool, backend: str, **knobs: float | str | None) -> Result:
@@ -82,7 +83,10 @@ def bench(
             raise fail(f"--weights: {e}", 2) from None
     results = []
     for n in names:
-        r = run_suite(n, quick, backend, minutes=minutes, frames=frames, weights=weights)
+        try:
+            r = run_suite(n, quick, backend, minutes=minutes, frames=frames, weights=weights)
+        except DeviceError as e:  # the suite cannot run here (isolation without a GPU)
+            raise fail(f"bench {n} --backend {backend} cannot run here: {e}", 2) from None
         results.append(r)
         if json:
             print_json(r.to_json())
