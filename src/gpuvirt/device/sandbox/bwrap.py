@@ -39,8 +39,16 @@ class Identity:
     setpriv: bool
 
 
+# A directory the operator names, searched before the system's: a bubblewrap carried to a
+# machine that lacks it (scripts/gpu-check sets it to .gpu-deps/bin). The host's
+# environment is the operator's; PATH itself is not searched, being easier to get wrong.
+TOOL_PATH_ENV = "GPUVIRT_TOOL_PATH"
+
+
 def tool(name: str) -> str | None:
-    found = shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
+    extra = os.environ.get(TOOL_PATH_ENV)
+    path = "/usr/bin:/bin:/usr/sbin:/sbin"
+    found = shutil.which(name, path=f"{extra}:{path}" if extra else path)
     return os.path.realpath(found) if found else None
 
 
