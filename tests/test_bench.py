@@ -163,13 +163,21 @@ def test_netgpu_result_judges_every_mode_and_stream_count() -> None:
         for rep in range(3) for mode in netgpu.MODES for n in netgpu.STREAMS
         for path in netgpu.PATHS
     ]  # fmt: skip
-    r = netgpu._result(trials, "emu", 1 << 20, 3, "userspace").to_json()
+    r = netgpu._result(trials, "emu", 1 << 20, 3, "userspace", ["raw·1"]).to_json()
     assert {row["mode"] for row in r["rows"]} == {"framed", "raw"}
     assert {row["streams"] for row in r["rows"]} == {1, 2, 4}
     assert r["throughput_ratio"] == pytest.approx(0.9)  # the raw-mode rows, the worst
     assert r["cpu_ratio"] == pytest.approx(1.04)  # 4 streams, the worst
     assert r["cpu_ratio_lowat"] == pytest.approx(1.3)  # reported beside it, never judged
-    assert set(r["targets"]) == {"throughput_ratio", "cpu_ratio"}
+    # the staged rows are judged against raw like zerocopy (their figures: 1.0 and 1.0 here)
+    assert set(r["targets"]) == {
+        "throughput_ratio",
+        "cpu_ratio",
+        "staged_throughput_ratio",
+        "staged_cpu_ratio",
+    }
+    assert r["staged_throughput_ratio"] == 1.0 and r["staged_cpu_ratio"] == 1.0
+    assert r["staged_verified"] == ["raw·1"]
     assert {row["streams"]: row["fragments_per_gb"] for row in r["rows"]
             if row["path"] == "zerocopy"} == {1: 1000, 2: 2000, 4: 4000}  # fmt: skip
     assert r["rounds"] == 3 and set(r["machine"]) >= MACHINE_KEYS

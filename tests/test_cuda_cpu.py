@@ -376,14 +376,14 @@ def test_staged_upload_lands_a_socket_stream_in_the_fb(emu_gpu: Any) -> None:
 def test_cuda_staging_provider_lands_a_stream_and_tracks_completion(emu_gpu: Any) -> None:
     import threading
 
-    from gpuvirt.guest.staging import StagingArea
     from gpuvirt.netgpu.providers.cuda_staging import CudaStagingProvider
 
     # On emu the guest maps its FB, so the provider declines, and says why.
     assert "mapped" in (CudaStagingProvider.probe(emu_gpu) or "")
-    staging = StagingArea(emu_gpu._mem, 0, PF2VF_OFFSET)
+    fb = _staged(emu_gpu, 4096)
+    staging = fb.staging
     p = CudaStagingProvider()
-    p.attach(staging, emu_gpu._queue, max_chunk=8192)
+    p.attach(fb, max_chunk=8192)
     data = np.random.default_rng(3).integers(0, 256, 250_000, dtype=np.uint8)
     buf = emu_gpu.alloc(data.size + 4, np.uint8)
     rx, tx = socket.socketpair()
@@ -408,7 +408,77 @@ def test_cuda_staging_provider_lands_a_stream_and_tracks_completion(emu_gpu: Any
     assert pos == data.size
     assert bytes(buf.view()[:4]) == b"NGPU"
     assert np.array_equal(buf.view()[4:], data)
-    assert staging.free_bytes == PF2VF_OFFSET
+    assert staging.free_bytes == PF2VF_OFFSET - 2 * 4096  # all but StagedFB's own window
+    fb.close()
+
+
+def test_staged_upload_batches_its_copies_and_says_what_landed(emu_gpu: Any) -> None:
+    """One COPY_IN per `batch` chunks (one reply, one future), sent when full or when
+    waited for; `landed` never sends or waits."""
+    from gpuvirt.guest.staging import StagedUpload, StagingArea
+
+    staging = StagingArea(emu_gpu._mem, 0, PF2VF_OFFSET)
+    up = StagedUpload(staging, emu_gpu._queue, chunk=4096, nchunks=8, batch=4)
+    buf = emu_gpu.alloc(7 * 4096, np.uint8)
+    pending_before = len(emu_gpu._queue.pending)
+    try:
+        for i in range(7):
+            chunk = up.acquire()
+            chunk.array[:] = i + 1
+            assert up.commit(chunk, buf.offset + i * 4096, 4096) == i + 1
+        assert len(emu_gpu._queue.pending) - pending_before <= 1  # 4 chunks, one message
+        assert not up.landed(7)  # the last 3 are not even sent yet
+        up.wait(7)
+        assert up.landed(7) and up.completed() == 7 and up.in_flight == 0
+    finally:
+        up.close()
+    assert np.array_equal(buf.view(), np.repeat(np.arange(1, 8, dtype=np.uint8), 4096))
+    buf.free()
+
+
+def test_add_staging_gives_an_emu_vf_the_staged_receive_and_every_byte_lands() -> None:
+    """The cuda path on emu through the public guest interface (bench netgpu's staged rows):
+    a raw and a framed stream several times the staging ring, every fragment read back
+    from the FB and the whole compared with what was sent; the last fragments, still
+    settling when the stream ends, are delivered too."""
+    import hashlib
+    import threading
+
+    import gpuvirt
+    from gpuvirt.bench.common import scratch_host
+    from gpuvirt.protocol.frames import Header
+
+    data = np.random.default_rng(5).bytes(12 << 20)
+    with (
+        scratch_host(sriov={"vf_num": 1}) as hp,
+        gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu,
+    ):
+        assert gpu.staging() is None
+        gpu.add_staging(4 << 20)
+        assert gpu.netgpu.selection("cuda-staging").provider.name == "cuda-staging"
+        with gpu.netgpu.pool(nbytes=8 << 20, chunk=256 << 10, provider="cuda-staging") as pool:
+            for framed in (False, True):
+                msgs = [data[i : i + (1 << 18)] for i in range(0, len(data), 1 << 18)]
+                wire = (
+                    b"".join(Header(0, i, len(m)).encode() + m for i, m in enumerate(msgs))
+                    if framed
+                    else data
+                )
+                rx_sock, tx = socket.socketpair()
+                sender = threading.Thread(
+                    target=lambda tx=tx, wire=wire: (tx.sendall(wire), tx.close())
+                )
+                sender.start()
+                h, total = hashlib.sha256(), 0
+                try:
+                    for frag in pool.receive(rx_sock, framed=framed, timeout=30):
+                        h.update(gpu.host_view(frag.offset, frag.size))
+                        total += frag.size
+                        pool.release([frag.token])
+                finally:
+                    sender.join(10)
+                assert total == len(data)
+                assert h.hexdigest() == hashlib.sha256(data).hexdigest()
 
 
 def test_aperture_layout() -> None:

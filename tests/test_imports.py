@@ -98,3 +98,55 @@ def test_the_engine_loop_imports_no_backend() -> None:
     graph = grimp.build_graph("gpuvirt", exclude_type_checking_imports=True)
     imported = graph.find_upstream_modules("gpuvirt.device.engine")
     assert not imported & {"gpuvirt.device.emu", "gpuvirt.device.cuda"}
+
+
+def _private_names(package: Path) -> set[str]:
+    """Private attribute and method names the classes of a package define (`self._x = ...`,
+    `def _x`), dunders aside."""
+    import ast
+
+    names: set[str] = set()
+    for path in package.rglob("*.py"):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in ast.walk(cls):
+                name = None
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    name = node.name
+                elif (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"
+                ):
+                    name = node.attr
+                if name and name.startswith("_") and not name.startswith("__"):
+                    names.add(name)
+    return names
+
+
+def test_netgpu_reads_no_private_field_of_the_guest_library() -> None:
+    """The import contract sees modules, not attributes: netgpu reaching `gpu._fb` or
+    `gpu._queue` would pass it. So no attribute of a private name that only the guest
+    library defines is read in netgpu, by `.name` or by getattr's string. The names both
+    define are netgpu's own (Pool._gpu, Pool._lock, ...): those must stay the few listed,
+    so a new clash is looked at rather than waved through."""
+    import ast
+
+    src = ROOT / "src" / "gpuvirt"
+    guest, netgpu = _private_names(src / "guest"), _private_names(src / "netgpu")
+    assert {"_fb", "_allocator", "_queue", "_mem", "_check_attached"} <= guest
+    assert guest & netgpu == {"_free", "_gpu", "_lock", "_ready"}
+    forbidden = guest - netgpu
+    found = []
+    for path in sorted((src / "netgpu").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                name = node.value  # getattr(gpu, "_fb")
+            if name in forbidden:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+    assert found == []

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuvirt.errors import DeviceError
+from gpuvirt.errors import StateConflictError
 from gpuvirt.host.policy import REJOIN_NS, WORK_CONSERVING, Account, Policy, Rules
 from gpuvirt.host.sched_exclusive import FullAccess
 
@@ -162,7 +162,7 @@ def test_fullaccess_is_answered_only_once_its_vf_runs_and_fails_if_the_vf_leaves
     assert granted.done() and granted.result() is None
     assert not other.done()
     full.left(1)
-    with pytest.raises(DeviceError, match="VF1 left the schedule before it got the device"):
+    with pytest.raises(StateConflictError, match="VF1 left the schedule before it got the device"):
         other.result(0)
     assert full.vf == 0  # VF1 leaving does not end VF0's grant
     full.left(0)

@@ -1,7 +1,13 @@
 """Every default and fixed number of the host, in one place (DESIGN.md, "Configuration").
 
 Other modules read a `HostConfig` or these constants; they never carry their
-own copy of a number.
+own copy of a number. The wire format's own numbers are the protocol's, in
+protocol/ (which imports nothing of ours): frame sizes, the VF limit
+(`mailbox.MAX_VFS`, GIM's 31), the token size (`mailbox.TOKEN_SIZE`), the FB's
+reserved head (`info.RESERVED_SIZE`: PF2VF and VF2PF). The host's numbers are
+here; the mailbox's per-session read sizes and event throttle are the exception
+still in host/mailbox.py. Engine-, tenant- and client-side modules (device/,
+guest/, netgpu/, cli/, k8s/, bench/) keep their private numbers beside the code.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ DEFAULT_EMU_FB_TOTAL = 2 * GiB
 DEFAULT_PF_FB = 256 * MiB
 DEFAULT_KERNEL_SCRATCH = 256 * MiB
 DEFAULT_VF_NUM = 4
-MAX_VF_NUM = 31  # GIM's limit
 DEFAULT_POLICY = "liquid"
 DEFAULT_TIME_SLICE_MS = 6  # GIM's GFX default
 MAX_TIME_SLICE_MS = 500
@@ -41,7 +46,6 @@ DEFAULT_ENGINE_SCRATCH = 64 * MiB
 DEFAULT_POLL_US = 200  # gpuvirt/poll.py: haltpoll's guest_halt_poll_ns default
 DEFAULT_SOCKET_MODE = 0o660
 
-FB_RESERVED = 128 * KiB  # head of every FB: PF2VF at 64 KiB, VF2PF at 65 KiB
 MIN_VF_FB = 1 * MiB
 FB_ALIGN = 64 * KiB  # VFs sized by the split start and end on this boundary
 
@@ -55,3 +59,18 @@ VF2PF_MAX_BAD = 5  # consecutive bad VF2PF reads before the VF is logged untrust
 # A VF's device time as the device measured it and as the host's wall clock saw it: a
 # gap over this (percentage points of the device) is reported (/status, vf list, metrics).
 DEVICE_DISAGREE_PP = 1.0
+ENGINE_START_TRIES = 3  # an OSError (EMFILE, fork failure) may clear; then the VF fails
+# The scheduler thread needs the GIL promptly when it wakes for a switch.
+SWITCH_INTERVAL_S = 0.0002
+RT_PRIORITY = 10  # SCHED_FIFO of the scheduler thread: ahead of engines and guests
+LOOP_PRIORITY = 5  # SCHED_FIFO of the host's loop thread: below RT_PRIORITY
+IDLE_WAKES_MAX = 4  # idle signals a running engine may send per slice
+ESCALATE_EVERY_NS = 1_000_000_000  # unblamed scheduler failures: at most one device reset a second
+# weighted: a VF without work for less than this keeps the device time it is owed
+REJOIN_NS = 100_000_000
+# A guest rings once per launch, and its channel holds far fewer launches than this.
+MAX_QUEUED = 1 << 16
+ADMIN_MAX_REQUEST = 16 * KiB  # an admin request's head, and its body
+ADMIN_MAX_CLIENTS = 64  # admin requests in flight; more get 503 rather than host memory
+ADMIN_MAX_WAIT_S = 30.0  # the longest long-poll of /events
+SHARE_WINDOW = 5  # samples (1 s apart) behind a VF's achieved share

@@ -13,8 +13,8 @@ import stat
 from pathlib import Path
 
 from gpuvirt.errors import ConfigError
+from gpuvirt.protocol.mailbox import TOKEN_SIZE as TOKEN_BYTES  # the ATTACH frame's field
 
-TOKEN_BYTES = 32
 _DIR_MODE = 0o700
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}", re.ASCII)

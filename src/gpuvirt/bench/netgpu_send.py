@@ -7,6 +7,7 @@ epoll, so that on two cores the receiver never shares a core with a second sende
 
 from __future__ import annotations
 
+import hashlib
 import select
 import socket
 from typing import Any
@@ -19,9 +20,23 @@ MESSAGE = 1 << 20  # framed: each message's payload
 SEND_BLOCK = 4 << 20  # raw: the most one sendmsg offers
 
 
+def _data() -> bytes:
+    return np.random.default_rng(1).bytes(SEND_BLOCK)
+
+
+def stream_sha256(per_stream: int, framed: bool) -> str:
+    """The sha256 of the payload every stream of a job carries (what a receiver must hold)."""
+    data = _data()
+    block = MESSAGE if framed else SEND_BLOCK
+    h = hashlib.sha256()
+    for pos in range(0, per_stream, block):
+        h.update(data[: min(block, per_stream - pos)])
+    return h.hexdigest()
+
+
 def sender_main(conn: Any) -> None:
     """Serve send jobs from `conn` (a Pipe end) until it sends None."""
-    data = memoryview(np.random.default_rng(1).bytes(SEND_BLOCK))
+    data = memoryview(_data())
     while True:
         job = conn.recv()
         if job is None:

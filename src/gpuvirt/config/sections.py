@@ -43,7 +43,6 @@ from gpuvirt.defaults import (
     DEFAULT_VF_NUM,
     DEFAULT_VF_WEIGHT,
     MAX_TIME_SLICE_MS,
-    MAX_VF_NUM,
     MIN_VF_FB,
 )  # fmt: skip
 from gpuvirt.paths import (
@@ -52,6 +51,7 @@ from gpuvirt.paths import (
     default_runtime_dir,
     default_state_dir,
 )  # fmt: skip
+from gpuvirt.protocol.mailbox import MAX_VFS
 
 Policy = Literal["fairness", "round_robin", "liquid", "weighted"]
 SandboxMode = Literal["required", "best-effort", "off"]
@@ -238,7 +238,7 @@ class SriovSection(BaseModel):
 
     model_config = MODEL
 
-    vf_num: Annotated[int, _in_range(1, MAX_VF_NUM)] = DEFAULT_VF_NUM
+    vf_num: Annotated[int, _in_range(1, MAX_VFS)] = DEFAULT_VF_NUM
 
 
 class SchedulerSection(BaseModel):

@@ -32,7 +32,8 @@ class EmuExecutor:
 
     # The guest maps an emu FB and needs no staging; these copies let the staged path
     # (guest/staging.py, the cuda backend's) run on emu too. The staging area is the
-    # unused first 64 KiB of the FB's reserved head (the info blocks start at 64 KiB).
+    # unused first 64 KiB of the FB's reserved head (the info blocks start at 64 KiB),
+    # or part of the FB the guest took for it (Gpu.add_staging): its own memory either way.
     def copy_in(self, copy: Copy) -> None:
         fb = self._copy_range(copy)
         fb[copy.fb_offset : copy.fb_offset + copy.nbytes] = fb[
@@ -46,10 +47,12 @@ class EmuExecutor:
         ]
 
     def _copy_range(self, copy: Copy) -> np.ndarray:
-        if copy.staging_offset + copy.nbytes > PF2VF_OFFSET:
+        start, end = copy.staging_offset, copy.staging_offset + copy.nbytes
+        if start < 0 or not (end <= PF2VF_OFFSET or RESERVED_SIZE <= start <= end <= self.size):
             raise ValueError(
-                f"copy of {copy.nbytes} bytes at staging offset {copy.staging_offset} is "
-                f"outside emu's staging area [0, {PF2VF_OFFSET})"
+                f"copy of {copy.nbytes} bytes at staging offset {start} is outside emu's "
+                f"staging areas: [0, {PF2VF_OFFSET}) or the FB past its reserved head "
+                f"[{RESERVED_SIZE}, {self.size})"
             )
         if copy.fb_offset < RESERVED_SIZE or copy.fb_offset + copy.nbytes > self.size:
             raise ValueError(

@@ -114,6 +114,7 @@ class Gpu:
         self._allocator: Allocator | None = None
         self._key = 0
         self._netgpu: NetExtension | None = None
+        self._staged: StagedFB | None = None  # add_staging's, on a VF whose FB is mapped
         self._stop = threading.Event()
         self._mbox = threading.Thread(
             target=self._mailbox, name=f"gpuvirt-vf{vf}-mbox", daemon=True
@@ -165,6 +166,51 @@ class Gpu:
         if self._netgpu is None:
             self._netgpu = make_netgpu(self)
         return self._netgpu
+
+    # ---- for libraries built on this one (NetGPU; docs/netgpu.md, "The guest interface") ---
+
+    def check_attached(self) -> None:
+        """Raise DetachedError, or VFResetError while a reset runs, unless the VF is usable."""
+        self._check_attached()
+
+    def alloc_range(self, nbytes: int) -> int:
+        """nbytes of the FB (256-byte aligned) that the caller manages; its FB offset.
+        Hand it back with `free_range` (a reset or detach takes it along)."""
+        self._check_attached()
+        assert self._allocator is not None
+        return self._allocator.alloc(nbytes)
+
+    def free_range(self, offset: int, generation: int) -> None:
+        """Give back an `alloc_range` range taken in `generation`; nothing to give back
+        once the VF has been reset or detached since (its FB started over)."""
+        if generation == self.generation and not self.closed and self._allocator is not None:
+            self._allocator.free(offset)
+
+    def host_view(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """FB bytes [offset, offset + nbytes) as mapped into this process (emu: the memory
+        itself, uint8), or None where the FB is device memory (cuda: see `staging`)."""
+        self._check_attached()
+        fb = self._fb
+        return fb.view(offset, nbytes) if isinstance(fb, MappedFB) else None
+
+    def staging(self) -> StagedFB | None:
+        """The staging path into the FB (its `upload` ring, its staging area's free bytes):
+        the FB access of a cuda VF; on emu only after `add_staging`, else None."""
+        self._check_attached()
+        return self._fb if isinstance(self._fb, StagedFB) else self._staged
+
+    def add_staging(self, nbytes: int) -> StagedFB:
+        """Give a VF whose FB is mapped (emu) the staging path a cuda VF has, its staging
+        area being `nbytes` of the FB itself, so that path is tested and measured without a
+        GPU (`bench netgpu`'s staged rows). Buffers keep using the mapping. Until a reset."""
+        self._check_attached()
+        if self.staging() is not None:
+            raise GpuvirtError(f"VF{self.vf} already has a staging path")
+        assert self._mem is not None and self._queue is not None
+        offset = self.alloc_range(nbytes)
+        area = StagingArea(self._mem, offset, nbytes)
+        self._staged = StagedFB(area, self._queue, self.fb_size)
+        return self._staged
 
     def wait_ready(self, timeout: float = FLR_TIMEOUT_S) -> None:
         """Block until the VF is usable again after a reset."""
@@ -303,12 +349,14 @@ class Gpu:
             self.generation += 1
             queue, self._queue = self._queue, None
             fb, self._fb = self._fb, None
+            staged, self._staged = self._staged, None
             mem, self._mem = self._mem, None
         if queue is not None:
             queue.fail_all(exc)
             queue.close()
-        if fb is not None:
-            fb.close()
+        for f in (fb, staged):
+            if f is not None:
+                f.close()
         if mem is not None:
             with contextlib.suppress(BufferError):
                 mem.close()

@@ -103,7 +103,9 @@ class Buffer:
     def __repr__(self) -> str:
         return f"<Buffer {self.shape} {self.dtype} at FB+0x{self.offset:x}>"
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Raise unless the buffer can be used: attached, not freed, not lost to a reset.
+        Every use of it asks; a subclass adds its own conditions (netgpu's FragBuffer)."""
         self._gpu._check_attached()
         if self.freed:
             raise BufferLostError(f"{self!r} was freed; allocate a new buffer")
@@ -116,11 +118,11 @@ class Buffer:
 
     @property
     def desc(self) -> BufDesc:
-        self._check()
+        self.check()
         return BufDesc(self.offset, tuple(self.shape), self.dtype.str)
 
     def write(self, data: Any) -> None:
-        self._check()
+        self.check()
         arr = np.ascontiguousarray(data, dtype=self.dtype)
         if arr.shape != self.shape and arr.size != int(np.prod(self.shape)):
             raise ValueError(
@@ -129,14 +131,14 @@ class Buffer:
         self._gpu._fb.write(self.offset, arr.reshape(-1).view(np.uint8))
 
     def read(self) -> np.ndarray:
-        self._check()
+        self.check()
         out = np.empty(self.shape, self.dtype)
         self._gpu._fb.read(self.offset, out.reshape(-1).view(np.uint8))
         return out
 
     def view(self) -> np.ndarray:
         """The FB memory itself as a numpy array (backends with a mapped FB only)."""
-        self._check()
+        self.check()
         raw = self._gpu._fb.view(self.offset, self.nbytes)
         return raw.view(self.dtype).reshape(self.shape)
 

@@ -136,10 +136,12 @@ class CommandQueue:
                 self._defined.add(k.kid)
             return self._submit(Message(Kind.LAUNCH, kid=k.kid, payload=payload), k.name)
 
-    def copy(self, kind: Kind, copy: Copy) -> LaunchFuture:
+    def copy(self, kind: Kind, *copies: Copy) -> LaunchFuture:
+        """COPY_IN or COPY_OUT of one or more ranges, done in order; one future for all."""
+        payload = copies[0].encode() if len(copies) == 1 else Copy.encode_many(list(copies))
         with self._send_lock:
             self._check()
-            return self._submit(Message(kind, payload=copy.encode()), kind.name)
+            return self._submit(Message(kind, payload=payload), kind.name)
 
     def _submit(self, msg: Message, what: str) -> LaunchFuture:
         seq = next(self._seq)
@@ -166,7 +168,10 @@ class CommandQueue:
         if self._broken is not None:
             raise self._broken
 
-    def wait(self, fut: LaunchFuture, timeout: float | None) -> None:
+    def wait(self, fut: LaunchFuture, timeout: float | None, poll: bool = True) -> None:
+        """Pump replies until `fut` is done. poll=False blocks at once: for a wait known
+        to outlast the poll window (a receiver that caught up with its staged copies),
+        where polling would only spend the CPU the caller is measured by."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not fut.done():
             left = None if deadline is None else deadline - time.monotonic()
@@ -176,13 +181,13 @@ class CommandQueue:
                 continue
             try:
                 if not fut.done():
-                    self._pump_one(left)
+                    self._pump_one(left, poll)
             finally:
                 self._pump_lock.release()
 
-    def _pump_one(self, timeout: float | None) -> None:
+    def _pump_one(self, timeout: float | None, poll: bool = True) -> None:
         try:
-            n = self._recv(timeout)
+            n = self._recv(timeout) if poll else self._recv_blocking(timeout)
         except BlockingIOError:
             return  # the tick passed; wait() checks its deadline
         except OSError as e:
@@ -192,6 +197,27 @@ class CommandQueue:
         if not n:
             self.fail_all(self._broken or DetachedError("the VF's engine closed the channel"))
             return
+        self._take(n)
+
+    def reap(self) -> None:
+        """Take every reply that has already arrived, without waiting: for a caller that
+        keeps many commands in flight and asks their futures' done() (guest/staging.py)."""
+        if not self._pump_lock.acquire(blocking=False):
+            return  # another thread is reading replies: they reach the futures through it
+        try:
+            while self.pending:
+                try:
+                    n = self._recv_now()
+                except OSError:
+                    return  # a broken channel: the next wait() finds it and fails everything
+                if not n:
+                    return  # None: nothing more yet; 0: closed, which wait() handles too
+                self._take(n)
+        finally:
+            self._pump_lock.release()
+
+    def _take(self, n: int) -> None:
+        """The reply of n bytes in the receive buffer settles its future."""
         msg = Message.decode(memoryview(self._rxbuf)[:n])
         fut = self.pending.pop(msg.seq, None)
         if fut is None:

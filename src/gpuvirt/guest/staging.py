@@ -155,6 +155,12 @@ class StagedFB:
             "FB is device memory: use Buffer.read()/write(), or work on it in a kernel"
         )
 
+    def upload(self, chunk: int, nchunks: int, batch: int | None = None) -> StagedUpload:
+        """A ring of `nchunks` staging chunks of `chunk` bytes for pipelined copies into
+        the FB (NetGPU's receive), `batch` chunks per copy message; its `close()` hands
+        them back."""
+        return StagedUpload(self.staging, self.queue, chunk, nchunks, batch)
+
     def close(self) -> None:
         self.staging.close()
 
@@ -175,19 +181,34 @@ class StagedUpload:
     """Pipelined host → FB copies through a ring of staging chunks (NetGPU on cuda).
 
     The caller fills a chunk (`sock.recv_into(chunk.array)`), then commits it with
-    its FB destination; the engine copies it on its stream while the caller fills the
-    next one. A chunk is handed out again only once its copy has completed, so at
-    most `nchunks` copies are in flight, and a caller that outruns the copies waits
-    in `acquire`: that wait is what stops it reading its socket (backpressure).
-    Copies complete in the order they were committed (one channel, one stream).
+    its FB destination, and fills the next one meanwhile. Commits are numbered 1, 2,
+    ... (`committed`) and go to the engine in batches of `batch` chunks: one COPY_IN
+    message, one DONE, one synchronize for the batch, since each message costs the
+    guest a send, a reply to read and a future, and wakes the engine. A batch goes
+    when it is full, or sooner when the caller needs it: `wait(n)` sends what it waits
+    for, `submit()` sends what is pending. `landed(n)` says, without waiting or
+    sending, whether the first n are in the FB. Copies complete in commit order (one
+    channel, one stream). A chunk is handed out again only once its copy has
+    completed, so a caller that outruns the copies waits in `acquire`: that wait is
+    what stops it reading its socket (backpressure). Chunks are reused most recently
+    freed first: the one a copy just finished with is the likeliest to be in cache.
     """
 
-    def __init__(self, staging: StagingArea, queue: CommandQueue, chunk: int, nchunks: int) -> None:
+    def __init__(
+        self,
+        staging: StagingArea,
+        queue: CommandQueue,
+        chunk: int,
+        nchunks: int,
+        batch: int | None = None,
+    ) -> None:
         if nchunks < 2:
             raise ValueError(f"nchunks = {nchunks}: need at least 2 to overlap copy and fill")
         self.staging = staging
         self.queue = queue
         self.chunk = chunk
+        # Two batches fit the ring: the engine copies one while the caller fills the next.
+        self.batch = batch or max(1, nchunks // 2)
         self._offsets: list[int] = []
         try:
             for _ in range(nchunks):
@@ -196,59 +217,97 @@ class StagedUpload:
             for off in self._offsets:
                 staging.free(off)
             raise
-        self._free: deque[int] = deque(self._offsets)
-        self._inflight: deque[tuple[LaunchFuture, int]] = deque()
+        self._free: list[int] = list(self._offsets)  # a stack: see the class docstring
+        self._pending: list[Copy] = []  # committed, not yet sent
+        self._sent: deque[tuple[LaunchFuture, list[int]]] = deque()  # (batch, its chunks)
         self._lock = threading.Lock()
+        self.committed = 0  # copies committed, ever
+        self._submitted = 0  # of those, sent to the engine
+        self._completed = 0  # of those, known to have landed
 
     def acquire(self) -> StagingChunk:
         """A chunk to fill; waits for the oldest copy in flight when none is free."""
         with self._lock:
-            self._reap()
+            if not self._free:
+                self._reap()
             while not self._free:
-                fut, off = self._inflight.popleft()
-                try:
-                    fut.result()
-                finally:
-                    self._free.append(off)
-            off = self._free.popleft()
+                if not self._sent:
+                    self._submit()  # every chunk is in the pending batch
+                if not self._sent:
+                    raise GpuvirtError(
+                        f"all {len(self._offsets)} staging chunks are acquired and none "
+                        "committed or given back"
+                    )
+                self._retire(wait=True)
+            off = self._free.pop()
         return StagingChunk(off, self.staging.view(off, self.chunk))
 
-    def commit(self, chunk: StagingChunk, fb_offset: int, nbytes: int) -> LaunchFuture:
-        """Copy the first nbytes of the chunk to fb_offset; the chunk recycles when done."""
+    def commit(self, chunk: StagingChunk, fb_offset: int, nbytes: int) -> int:
+        """Copy the first nbytes of the chunk to fb_offset; the chunk recycles when done.
+        Returns the commit's number (`landed(it)` once the bytes are in the FB)."""
         if not 0 < nbytes <= chunk.nbytes:
             raise ValueError(f"commit of {nbytes} bytes from a {chunk.nbytes}-byte chunk")
-        try:
-            fut = self.queue.copy(Kind.COPY_IN, Copy(fb_offset, chunk.offset, nbytes))
-        except BaseException:
-            self.give_back(chunk)
-            raise
         with self._lock:
-            self._inflight.append((fut, chunk.offset))
-        return fut
+            self._pending.append(Copy(fb_offset, chunk.offset, nbytes))
+            self.committed += 1
+            if len(self._pending) >= self.batch:
+                self._submit()
+            return self.committed
 
     def give_back(self, chunk: StagingChunk) -> None:
         """Return a chunk that was acquired but not committed (the sender closed, say)."""
         with self._lock:
             self._free.append(chunk.offset)
 
+    def submit(self) -> None:
+        """Send the pending commits to the engine now, without waiting for them."""
+        with self._lock:
+            self._submit()
+
+    def completed(self) -> int:
+        """How many commits (in commit order) have landed in the FB; never waits. Raises
+        a failed copy's error (the engine refused it, or the VF was reset)."""
+        with self._lock:
+            self._reap()
+            return self._completed
+
+    def landed(self, n: int) -> bool:
+        """Whether the first n commits are in the FB; never waits, never sends (and asks
+        the channel only when what is known to have landed does not cover them)."""
+        if n <= self._completed:
+            return True
+        return n <= self._submitted and n <= self.completed()
+
+    def wait(self, n: int) -> None:
+        """Wait until the first n commits have landed (sending them if they are pending);
+        raise a failure among them."""
+        with self._lock:
+            if n > self._submitted:
+                self._submit()
+            while self._completed < n and self._sent:
+                self._retire(wait=True)
+
     def drain(self) -> None:
-        """Wait for every copy in flight; raise the first failure after all are done."""
+        """Send what is pending and wait for every copy; raise the first failure once all
+        are done."""
         first: BaseException | None = None
         with self._lock:
-            while self._inflight:
-                fut, off = self._inflight.popleft()
+            try:
+                self._submit()
+            except BaseException as e:
+                first = e
+            while self._sent:
                 try:
-                    fut.result()
+                    self._retire(wait=True)
                 except BaseException as e:
                     first = first or e
-                finally:
-                    self._free.append(off)
         if first is not None:
             raise first
 
     @property
     def in_flight(self) -> int:
-        return len(self._inflight)
+        """Chunks committed and not yet known to have landed."""
+        return self.committed - self._completed
 
     def close(self) -> None:
         """Wait out the copies (they read our chunks), then hand the staging back."""
@@ -260,14 +319,42 @@ class StagedUpload:
             self._offsets.clear()
             self._free.clear()
 
+    def _submit(self) -> None:
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        chunks = [c.staging_offset for c in pending]
+        try:
+            fut = self.queue.copy(Kind.COPY_IN, *pending)
+        except BaseException:
+            self._free.extend(chunks)  # never sent: nothing reads them
+            self._completed += len(chunks)
+            self._submitted += len(chunks)
+            raise
+        self._sent.append((fut, chunks))
+        self._submitted += len(chunks)
+
     def _reap(self) -> None:
-        # Copies finish in order; recycle the finished head without waiting.
-        while self._inflight and self._inflight[0][0].done():
-            fut, off = self._inflight.popleft()
-            self._free.append(off)
+        # Replies that have arrived settle their futures; recycle the finished batches.
+        sent = self._sent
+        if sent and not sent[0][0].done():
+            self.queue.reap()
+        while sent and sent[0][0].done():
+            self._retire(wait=False)
+
+    def _retire(self, wait: bool) -> None:
+        """The oldest batch is done (or, with wait, will be): its chunks are free again."""
+        fut, chunks = self._sent.popleft()
+        try:
+            if wait:  # a batch takes longer than the poll window: sleep, do not spin
+                self.queue.wait(fut, None, poll=False)
             exc = fut.exception(timeout=0)
-            if exc is not None:
-                raise exc
+        finally:
+            self._free.extend(chunks)
+            self._completed += len(chunks)
+        if exc is not None:
+            raise exc
 
 
 def _settle(inflight: list[LaunchFuture | None], slot: int) -> None:

@@ -36,13 +36,13 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from gpuvirt.config import VFSettings, parse_vf_settings
+from gpuvirt.defaults import ADMIN_MAX_CLIENTS as MAX_CLIENTS
+from gpuvirt.defaults import ADMIN_MAX_REQUEST as MAX_REQUEST
+from gpuvirt.defaults import ADMIN_MAX_WAIT_S as MAX_WAIT_S
 from gpuvirt.errors import ConfigError, DeviceError, StateConflictError
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.vfmgr import VF
 
-MAX_REQUEST = 16 * 1024
-MAX_CLIENTS = 64  # requests in flight; more get 503 rather than host memory
-MAX_WAIT_S = 30.0
 ACTIONS = ("enable", "disable", "reset", "clear-fb", "clear-guard")
 # The answer to a failed request follows from its error's class (gpuvirt/errors.py);
 # any other exception, StateError included, is a host bug: 500, and a `bug` event.

@@ -20,6 +20,7 @@ from typing import Any
 
 from gpuvirt import config as C
 from gpuvirt.config import HostConfig, VFSettings, load_or_create_token
+from gpuvirt.defaults import ENGINE_START_TRIES, LOOP_PRIORITY, SWITCH_INTERVAL_S
 from gpuvirt.device import make_device
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.sandbox import Sandbox
@@ -48,9 +49,6 @@ from gpuvirt.host.vfmgr import (
 from gpuvirt.paths import socket_served
 
 E = VFEvent
-ENGINE_START_TRIES = 3  # an OSError (EMFILE, fork failure) may clear; then the VF fails
-SWITCH_INTERVAL_S = 0.0002
-LOOP_PRIORITY = 5  # below the scheduler thread's (sched.RT_PRIORITY)
 
 
 class Host:

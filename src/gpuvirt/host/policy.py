@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gpuvirt.defaults import REJOIN_NS
+
 
 class Policy(StrEnum):
     FAIRNESS = "fairness"
@@ -29,8 +31,6 @@ class Policy(StrEnum):
 
 
 WORK_CONSERVING = frozenset({Policy.LIQUID, Policy.WEIGHTED})
-# weighted: a VF without work for less than this keeps the device time it is owed
-REJOIN_NS = 100_000_000
 
 
 @dataclass(eq=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-RT_PRIORITY = 10
+from gpuvirt.defaults import RT_PRIORITY
 
 
 def raise_priority(priority: int = RT_PRIORITY) -> str:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from gpuvirt.defaults import ESCALATE_EVERY_NS, IDLE_WAKES_MAX
 from gpuvirt.device.base import Engine, WSCommand, command_limit
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
@@ -40,8 +41,6 @@ from gpuvirt.host.sched_exclusive import FullAccess
 from gpuvirt.host.sched_post import PostedStops
 from gpuvirt.host.watch import Watches, drain
 
-IDLE_WAKES_MAX = 4  # idle signals a running engine may send per slice
-ESCALATE_EVERY_NS = 1_000_000_000  # unblamed failures: at most one device reset a second
 # (vf or None for the whole device, reason, detail); called on the scheduler thread
 FaultHandler = Callable[[int | None, str, str], None]
 

@@ -10,12 +10,10 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuvirt.defaults import MAX_QUEUED
 from gpuvirt.device.base import Engine
 from gpuvirt.device.status import Word
 from gpuvirt.host.policy import Account
-
-# A guest rings once per launch, and its channel holds far fewer launches than this.
-MAX_QUEUED = 1 << 16
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuvirt.config import HostConfig
-from gpuvirt.defaults import DEVICE_DISAGREE_PP
+from gpuvirt.defaults import DEVICE_DISAGREE_PP, SHARE_WINDOW
 from gpuvirt.device.base import Device
 from gpuvirt.device.sandbox.policy import Report
 from gpuvirt.host.policy import Policy
@@ -23,7 +23,6 @@ from gpuvirt.host.sched import Scheduler
 from gpuvirt.host.vfmgr import GUEST_STATES, VF, VFEvent, VFManager, enabled
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-SHARE_WINDOW = 5  # samples (1 s apart) behind the achieved share
 
 
 class StatusReport:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from gpuvirt.guest.memory import Buffer
+from gpuvirt.guest.api import Buffer
 from gpuvirt.netgpu.errors import NetGPUError
 
 if TYPE_CHECKING:
@@ -87,8 +87,8 @@ class FragBuffer(Buffer):
         self.generation = pool.generation  # the pool's, not whatever the VF's is now
         self.frag = frag
 
-    def _check(self) -> None:
-        super()._check()
+    def check(self) -> None:
+        super().check()
         self.frag.pool.check_token(self.frag.token)
 
     def free(self) -> None:

@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpuvirt.errors import BufferLostError
-from gpuvirt.guest.extension import register_netgpu
-from gpuvirt.guest.memory import ALIGN
+from gpuvirt.guest.api import ALIGN, register_netgpu
 from gpuvirt.netgpu.errors import NetGPUError, TokenError
 from gpuvirt.netgpu.providers import Provider, Selection, select_provider
 
 if TYPE_CHECKING:
-    from gpuvirt.guest.client import Gpu
+    from gpuvirt.guest.api import Gpu
     from gpuvirt.netgpu.rx import Rx
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_POOL", "NetGPU", "Pool"]
@@ -95,7 +94,7 @@ class Pool:
         if nbytes < chunk:
             raise NetGPUError(f"nbytes = {nbytes}: a pool needs at least one {chunk}-byte chunk")
         gpu = net._gpu
-        gpu._check_attached()
+        gpu.check_attached()
         self._net = net
         self._gpu = gpu
         self.chunk = chunk
@@ -103,14 +102,16 @@ class Pool:
         self.nbytes = self.nchunks * chunk
         self.provider = provider
         self.generation = gpu.generation
-        assert gpu._allocator is not None
-        self.offset = gpu._allocator.alloc(self.nbytes)
+        self.offset = gpu.alloc_range(self.nbytes)
         # What receivers slice for recv_into: the mapped FB, or (cuda) the provider's
         # window onto device memory, which this process cannot map.
         self.memory: np.ndarray | None = None
         self.view: Any
         if provider.mapped:
-            self.memory = gpu._fb.view(self.offset, self.nbytes)
+            self.memory = gpu.host_view(self.offset, self.nbytes)
+            if self.memory is None:
+                gpu.free_range(self.offset, self.generation)
+                raise NetGPUError(f"{provider.name} needs the FB mapped; VF{gpu.vf}'s is not")
             self.view = memoryview(self.memory)
         else:
             self.view = provider.window(self)
@@ -124,7 +125,11 @@ class Pool:
         self._waiters: set[int] = set()  # eventfds of receivers waiting for a free chunk
         self._rxs: weakref.WeakSet[Rx] = weakref.WeakSet()
         self.dry_waits = 0  # times a receiver found the pool dry and had to wait
-        provider.bind(self)
+        try:
+            provider.bind(self)
+        except BaseException:
+            gpu.free_range(self.offset, self.generation)
+            raise
 
     def _rx_class(self) -> type[Rx]:
         from gpuvirt.netgpu.rx import Rx, SettledRx
@@ -281,9 +286,7 @@ class Pool:
             self._tokens.clear()
             self._wake()
         self.provider.unbind(self)
-        gpu = self._gpu
-        if self.generation == gpu.generation and not gpu.closed and gpu._allocator is not None:
-            gpu._allocator.free(self.offset)
+        self._gpu.free_range(self.offset, self.generation)
 
     def __enter__(self) -> Pool:
         return self

@@ -21,7 +21,7 @@ from gpuvirt.netgpu.providers.cuda_staging import CudaStagingProvider
 from gpuvirt.netgpu.providers.userspace import UserspaceProvider
 
 if TYPE_CHECKING:
-    from gpuvirt.guest.client import Gpu
+    from gpuvirt.guest.api import Gpu
 
 __all__ = [
     "PROVIDERS",

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import socket
 
-    from gpuvirt.guest.client import Gpu
+    from gpuvirt.guest.api import Gpu
     from gpuvirt.netgpu.pool import Pool
 
 Reader = Callable[[memoryview, int, int], int]

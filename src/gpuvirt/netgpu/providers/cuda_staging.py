@@ -16,28 +16,30 @@ moves it to the device.
 What differs from ``userspace`` for the receiver (rx.py): there is no host view
 of the pool, so a read is addressed by FB offset (`reader_at`), bytes the
 receiver already holds go through `write_at`, and a fragment may be handed out
-only once its copy has completed: `committed` numbers each read, `completed()`
-says how many reads have landed in device memory, `flush()` waits for all.
+only once its copy has completed: `committed` numbers the reads, `landed(n)`
+says (without waiting) whether the first n are in device memory, `wait(n)`
+waits for them, `flush()` for all. rx.py's SettledRx hands each fragment out
+once its own reads have landed, and reads on meanwhile: it never waits for a
+copy while the socket has data for the next read (docs/netgpu.md, "The staged
+path").
 """
 
 from __future__ import annotations
 
 import socket
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from gpuvirt.guest.staging import StagedFB, StagedUpload, StagingArea
 from gpuvirt.netgpu.errors import NetGPUError
 from gpuvirt.netgpu.providers.base import Provider, Reader
 
 if TYPE_CHECKING:
-    from gpuvirt.guest.client import Gpu
-    from gpuvirt.guest.queue import CommandQueue, LaunchFuture
+    from gpuvirt.guest.api import Gpu, StagedFB, StagedUpload
     from gpuvirt.netgpu.pool import Pool
 
-ReaderAt = Callable[[int, int], int]
-"""Receive up to nbytes into the FB at fb_offset; return the byte count, 0 at end of stream."""
+ReaderAt = Callable[[int, int, int], int]
+"""(fb_offset, nbytes, MSG_ flags): receive up to nbytes into the FB at fb_offset; return
+the byte count, 0 at end of stream."""
 
 # One read moves at most this much. Large enough that the per-copy round trip to the
 # engine (tens of µs) is small beside the copy; small enough that several are in flight.
@@ -87,23 +89,22 @@ class CudaStagingProvider(Provider):
 
     def __init__(self) -> None:
         self._up: StagedUpload | None = None
-        self._copies: deque[tuple[int, LaunchFuture]] = deque()  # (commit number, copy)
-        self.committed = 0  # reads whose copy has been started, ever
-        self._completed = 0
         self.last: Any = None  # staging bytes of the latest read, until the next read (crc)
 
     @classmethod
     def probe(cls, gpu: Gpu) -> str | None:
-        fb = getattr(gpu, "_fb", None)
-        if not isinstance(fb, StagedFB):
+        staged = gpu.staging()
+        if staged is None:
             return (
                 "cuda-staging serves VFs of a cuda host (an NVIDIA GPU driven through CuPy, "
                 'device.backend = "cuda"); this VF\'s FB is mapped into this process (emu '
-                "backend), and `userspace` receives straight into it without a staging copy"
+                "backend), and `userspace` receives straight into it without a staging copy "
+                "(gpu.add_staging() gives an emu VF the staging path, to test or measure it)"
             )
-        if fb.staging.free_bytes < 2 * MIN_CHUNK:
+        free = staged.staging.free_bytes
+        if free < 2 * MIN_CHUNK:
             return (
-                f"the VF's staging area has {fb.staging.free_bytes} bytes free, less than two "
+                f"the VF's staging area has {free} bytes free, less than two "
                 f"{MIN_CHUNK}-byte chunks; close other NetGPU pools of this VF"
             )
         return None
@@ -112,10 +113,10 @@ class CudaStagingProvider(Provider):
 
     def bind(self, pool: Pool) -> None:
         gpu = pool._gpu
-        fb = gpu._fb
-        if not isinstance(fb, StagedFB) or gpu._queue is None:
+        staged = gpu.staging()
+        if staged is None:
             raise NetGPUError(f"VF{gpu.vf} has no staging area; cuda-staging cannot serve it")
-        self.attach(fb.staging, gpu._queue, max_chunk=pool.chunk)
+        self.attach(staged, max_chunk=pool.chunk)
 
     def unbind(self, pool: Pool) -> None:
         self.detach()
@@ -131,9 +132,7 @@ class CudaStagingProvider(Provider):
 
         def recv(target: Any, nbytes: int = 0, flags: int = 0) -> int:
             if target.__class__ is DeviceRange:
-                # MSG_WAITALL does not apply: a short read is a smaller copy, and the
-                # receiver reads the rest next time.
-                return recv_at(target.fb_offset, nbytes or target.nbytes)
+                return recv_at(target.fb_offset, nbytes or target.nbytes, flags)
             return recv_into(target, nbytes, flags)
 
         return recv
@@ -144,21 +143,18 @@ class CudaStagingProvider(Provider):
 
     # ---- the staging path --------------------------------------------------------------
 
-    def attach(
-        self, staging: StagingArea, queue: CommandQueue, max_chunk: int | None = None
-    ) -> None:
+    def attach(self, staged: StagedFB, max_chunk: int | None = None) -> None:
         """Take a ring of staging chunks for this pool's reads."""
-        free = staging.free_bytes
+        free = staged.staging.free_bytes
         chunk = min(STAGING_CHUNK, max_chunk or STAGING_CHUNK, free // 2)
         chunk = chunk // 4096 * 4096
         if chunk < 4096:
             raise NetGPUError(f"staging area has {free} bytes free; too little to receive through")
         nchunks = max(2, min(MAX_CHUNKS, free // chunk))
-        self._up = StagedUpload(staging, queue, chunk, nchunks)
+        self._up = staged.upload(chunk, nchunks)
 
     def detach(self) -> None:
         up, self._up = self._up, None
-        self._copies.clear()
         self.last = None  # a view of the staging mapping: it would keep the mapping open
         if up is not None:
             up.close()
@@ -166,12 +162,12 @@ class CudaStagingProvider(Provider):
     def reader_at(self, sock: socket.socket) -> ReaderAt:
         """recv into staging, then start the copy to fb_offset; the read's number is `committed`."""
         up = self._upload()
-        copies = self._copies
+        recv_into = sock.recv_into
 
-        def recv_at(fb_offset: int, nbytes: int) -> int:
+        def recv_at(fb_offset: int, nbytes: int, flags: int = 0) -> int:
             chunk = up.acquire()
             try:
-                n = sock.recv_into(chunk.array[: min(nbytes, chunk.nbytes)])
+                n = recv_into(chunk.array[: min(nbytes, chunk.nbytes)], 0, flags)
             except BaseException:  # BlockingIOError included: nothing arrived, nothing to copy
                 up.give_back(chunk)
                 raise
@@ -179,8 +175,7 @@ class CudaStagingProvider(Provider):
                 up.give_back(chunk)
                 return 0
             self.last = chunk.array[:n]
-            copies.append((self.committed, up.commit(chunk, fb_offset, n)))
-            self.committed += 1
+            up.commit(chunk, fb_offset, n)
             return n
 
         return recv_at
@@ -193,26 +188,30 @@ class CudaStagingProvider(Provider):
             chunk = up.acquire()
             k = min(len(data) - pos, chunk.nbytes)
             chunk.array[:k] = memoryview(data)[pos : pos + k]
-            self._copies.append((self.committed, up.commit(chunk, fb_offset + pos, k)))
-            self.committed += 1
+            up.commit(chunk, fb_offset + pos, k)
             pos += k
 
+    @property
+    def committed(self) -> int:
+        """Reads (and write_at pieces) whose copy has been started, ever."""
+        return self._upload().committed
+
     def completed(self) -> int:
-        """How many reads (in commit order) are in device memory; never waits."""
-        copies = self._copies
-        while copies and copies[0][1].done():
-            _n, fut = copies.popleft()
-            exc = fut.exception(timeout=0)
-            if exc is not None:
-                raise exc
-            self._completed += 1
-        return self._completed
+        """How many of them (in commit order) are in device memory; never waits."""
+        return self._upload().completed()
+
+    def landed(self, n: int) -> bool:
+        """Whether the first n are in device memory; never waits."""
+        return self._upload().landed(n)
+
+    def wait(self, n: int) -> None:
+        """Wait until the first n are in device memory."""
+        self._upload().wait(n)
 
     def flush(self) -> None:
         """Wait until every read so far is in device memory."""
         if self._up is not None:
             self._up.drain()
-        self.completed()
 
     def _upload(self) -> StagedUpload:
         if self._up is None:

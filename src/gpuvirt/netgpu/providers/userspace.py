@@ -15,7 +15,7 @@ from gpuvirt.netgpu.providers.base import Provider, Reader
 from gpuvirt.protocol.info import FEATURE_FB_MAPPED
 
 if TYPE_CHECKING:
-    from gpuvirt.guest.client import Gpu
+    from gpuvirt.guest.api import Gpu
     from gpuvirt.netgpu.pool import Pool
 
 
