@@ -16,6 +16,9 @@ from gpuvirt.bench.common import machine, spread
 from gpuvirt.bench.flr import run as flr_run
 from gpuvirt.bench.scale import fb_memory, pss_bytes
 from gpuvirt.bench.sched import busy_windows, disagreement_pp, jain, shares
+from gpuvirt.bench.sched import run as sched_run
+from gpuvirt.bench.sched_wait import WAIT_KERNEL_S, busy, parse_weights, weight_set
+from gpuvirt.bench.wait import STEP_NS, wait_log
 from gpuvirt.bench.workers import (
     CHECKPOINT_NS,
     THROUGH_NS,
@@ -148,6 +151,44 @@ def test_spin_log_is_a_cumulative_record_in_its_own_clock() -> None:
     assert len(log) >= 5 and work[-1] > 0
 
 
+def test_wait_log_is_nominal_device_time_in_steps_its_own_clock_stamped() -> None:
+    import numpy as np
+
+    log = wait_log(np, 0.002)
+    times = [t for t, _ in log]
+    assert times == sorted(times) and len(log) == 0.002 * 1e9 // STEP_NS + 1
+    assert [n for _, n in log] == [i * STEP_NS for i in range(len(log))]
+    # a step sleeps at least its nominal time: the work never runs ahead of the clock
+    assert log[-1][0] - log[0][0] >= log[-1][1]
+
+
+def test_weights_parse_and_refuse_what_is_not_a_weight_set() -> None:
+    assert parse_weights("1:3,3:1,1:1,1:2:3:4") == [[1, 3], [3, 1], [1, 1], [1, 2, 3, 4]]
+    assert parse_weights("0.5:2") == [[0.5, 2.0]]
+    for bad in ("1", "1:0", "a:b", "1:3,", "-1:2"):
+        with pytest.raises(ValueError, match="weights"):
+            parse_weights(bad)
+
+
+def test_weight_set_compares_configured_and_achieved_per_vf() -> None:
+    """Three rounds' windows of a 1:3 set whose work and scheduler's time are known."""
+
+    def window(work: tuple[int, int], sched: tuple[int, int]) -> dict[str, object]:
+        return {"span_ns": 10_000, "work": dict(enumerate(work)),
+                "device_ns": dict(enumerate(sched))}  # fmt: skip
+
+    wins = [window((25, 75), (24, 76)), window((26, 74), (25, 75)), window((20, 80), (25, 75))]
+    got = weight_set(wins, [1.0, 3.0])
+    assert got["weights"] == "1:3" and got["configured"] == {"vf0": 0.25, "vf1": 0.75}
+    assert got["share_error_pp_max"] == 1.0  # the median round: 0, 1, 5 pp
+    assert got["achieved"] == {"vf0": 0.26, "vf1": 0.74}
+    assert got["spread"]["share_error_pp_max"] == [0.0, 1.0, 5.0]
+    assert got["share_error_pp_max_sched"] == 0.0 and "jain" not in got
+    assert got["busy"] == busy(wins[0], [0, 1]) == 0.01
+    equal = weight_set(wins[:1], [1.0, 1.0])
+    assert equal["jain"] == pytest.approx(jain([0.25, 0.75]), abs=1e-5) and "jain_sched" in equal
+
+
 def test_machine_names_what_the_figures_were_measured_on() -> None:
     m = machine("emu")
     assert set(m) >= MACHINE_KEYS
@@ -212,21 +253,28 @@ def test_launch_bench_pins_both_placements_and_reports_rounds() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_engine_measured_shares_sum_to_one_beside_the_schedulers(make_host: MakeHost) -> None:
+@pytest.mark.parametrize(("workload", "kernel_s", "key"),
+                         [("spin", 0.02, "engine_ns"), ("wait", WAIT_KERNEL_S, "work")])  # fmt: skip
+def test_engine_measured_shares_sum_to_one_beside_the_schedulers(
+    make_host: MakeHost, workload: str, kernel_s: float, key: str
+) -> None:
     hp = make_host(sriov={"vf_num": 3}, scheduler={"policy": "weighted", "time_slice_ms": 6})
     vfs = [0, 1, 2]
-    windows = busy_windows(hp, vfs, 0.4, windows=3, kernel_s=0.02)
+    windows = busy_windows(hp, vfs, 0.4, windows=3, kernel_s=kernel_s, workload=workload)
     assert len(windows) == 3
     for a, b in itertools.pairwise(windows):
         assert a["span_ns"] > 0 and b["span_ns"] > 0
     for w in windows:
-        eng, sch = shares(w, vfs), shares(w, vfs, "device_ns")
+        eng, sch = shares(w, vfs, key), shares(w, vfs, "device_ns")
         assert sum(eng.values()) == pytest.approx(1.0)
         assert sum(sch.values()) == pytest.approx(1.0)
         # every busy VF got work done, by its own kernels' count
         assert all(w["work"][vf] > 0 for vf in vfs)
-        gap = disagreement_pp(w, vfs)
-        assert gap == pytest.approx(max(100 * abs(eng[v] - sch[v]) for v in vfs))
+        if key == "engine_ns":
+            gap = disagreement_pp(w, vfs)
+            assert gap == pytest.approx(max(100 * abs(eng[v] - sch[v]) for v in vfs))
+        else:  # the device-bound work is nominal device ns: never more than the window
+            assert 0 < busy(w, vfs) <= 1
         assert 0 < jain(list(eng.values())) <= 1.0 + 1e-9
 
 
@@ -251,6 +299,29 @@ def test_flr_bench_reports_every_neighbour_and_the_schedulers_view() -> None:
     assert_spread(r["spread"], r)
     assert r["neighbour_share_ratio"] == r["spread"]["neighbour_share_ratio"][1]
     assert set(r["machine"]) >= MACHINE_KEYS
+    # the same FLRs beside device-bound neighbours, judged the same way
+    assert len(r["neighbour_share_ratios_wait"]) == 2 * r["rounds"]
+    assert r["neighbour_share_ratio_wait"] == r["spread"]["neighbour_share_ratio_wait"][1]
+    assert {"neighbour_share_ratio", "neighbour_share_ratio_wait"} <= set(r["targets"])
+    assert "native" not in r  # emu: no driver to time-slice
+
+
+@pytest.mark.timeout(300)
+def test_sched_weight_sets_give_configured_and_achieved_per_vf() -> None:
+    """`bench sched --weights` (gpu-check's share step): each set, device-bound, on emu."""
+    r = sched_run(quick=True, weights="1:3,1:1").to_json()
+    sets = r["weight_sets"]
+    assert [s["weights"] for s in sets] == ["1:3", "1:1"]
+    assert sets[0]["configured"] == {"vf0": 0.25, "vf1": 0.75}
+    for s in sets:
+        assert set(s["achieved"]) == set(s["configured"]) == set(s["achieved_sched"])
+        assert sum(s["achieved"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert 0 < s["busy"] <= 1
+    assert r["share_error_pp_max_wait"] == max(s["share_error_pp_max"] for s in sets)
+    assert r["jain_equal_wait"] == sets[1]["jain"]
+    assert set(r["targets"]) == {"share_error_pp_max_wait", "jain_equal_wait"}
+    assert r["rounds"] >= 3 and set(r["machine"]) >= MACHINE_KEYS
+    assert_spread(r["spread"], r)
 
 
 @pytest.mark.timeout(180)

@@ -22,6 +22,10 @@ and the end of the FLR, so the neighbours' share during it is exact.
   round's worst neighbour; neighbour_share_ratio_mean (both neighbours
   together, per round) and the scheduler's accounting stand beside it.
 - guest_recover_ms: the hung guest's view, VFResetError to re-initialized.
+- neighbour_share_ratio_wait: each round's FLRs of VF0 again (admin resets, as
+  many) beside neighbours whose kernels wait on the device (bench/wait.py), each
+  judged against its own steady share as above, by its kernels' work; on cuda
+  the two neighbours' kernels from plain processes (`native`) stand beside it.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ Three runs, each with real guest processes keeping their VFs busy:
 2. `weighted` with weights 1,2,3,4: each VF's achieved share of device time
    against its configured share over 10 s, sampled over time for the plot.
 3. equal weights: Jain's fairness index over the achieved shares.
+Then the same three with kernels that wait on the device instead of spinning
+(bench/sched_wait.py; keys ending in _wait), and on cuda the native baseline.
+`--weights SETS` runs only those weight sets, device-bound (gpu-check's share step).
 """
 
 from __future__ import annotations

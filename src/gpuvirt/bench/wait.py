@@ -84,7 +84,7 @@ def launch(xp: Any, seconds: float, stream: Any = None) -> tuple[Any, Any, Any]:
     budget = max(1, round(seconds * 1e9))
     cap = budget // STEP_NS + 3
     log = xp.zeros(2 * cap + 1, dtype=xp.uint64)
-    stream = stream or xp.cuda.get_current_stream()
+    stream = xp.cuda.get_current_stream() if stream is None else stream
     with stream:
         kern["wait_log"]((1,), (1,), (xp.uint64(budget), xp.uint64(STEP_NS),
                                       xp.uint64(GAP_NS), log, xp.int32(cap)))  # fmt: skip
