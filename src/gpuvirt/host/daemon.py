@@ -279,6 +279,10 @@ class Host:
     async def off_schedule(self, vf: VF) -> None:
         await asyncio.wrap_future(self.sched.remove(vf.index))
 
+    async def reweigh(self, vf: VF, weight: float) -> None:
+        """The scheduler uses the VF's new weight from its next slice."""
+        await asyncio.wrap_future(self.sched.set_weight(vf.index, weight))
+
     def _fault_from_sched(self, vf: int | None, reason: str, detail: str) -> None:
         """Called on the scheduler thread: a VF hung, its engine died, or (vf None) the
         scheduler failed with no VF to blame: then the whole device is reset."""

@@ -11,18 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from gpuvirt.config import VFSettings, format_size
+from gpuvirt.config import HostConfig, VFSettings, format_size
 from gpuvirt.errors import ConfigError, StateConflictError
-from gpuvirt.host.events import Category
-from gpuvirt.host.vfmgr import VF, AdminOp, VFEvent, admin_refusal, enabled
-
-if TYPE_CHECKING:
-    from gpuvirt.host.daemon import Host
+from gpuvirt.host.events import Category, EventLog
+from gpuvirt.host.vfmgr import VF, AdminOp, VFEvent, VFManager, admin_refusal, enabled
 
 
-async def set_vf(host: Host, vf: VF, settings: VFSettings, caller: str = "admin") -> None:
+class ReconfigHost(Protocol):
+    """Everything `vf set` may touch on the host."""
+
+    lifecycle: asyncio.Lock  # held for the whole change: one lifecycle step at a time
+    events: EventLog
+    vfm: VFManager
+    config: HostConfig  # device.pf_fb, the PF's reserve
+    fb_total: int
+
+    async def reweigh(self, vf: VF, weight: float) -> None: ...
+    async def off_schedule(self, vf: VF) -> None: ...
+    async def kill_engine(self, vf: VF) -> None: ...
+    def renew_fb(self, vf: VF, size: int | None = None) -> None: ...
+    async def bring_up(self, vf: VF, reason: str) -> bool: ...
+
+
+async def set_vf(host: ReconfigHost, vf: VF, settings: VFSettings, caller: str = "admin") -> None:
     """Apply `settings` to `vf`. ConfigError: a value that does not fit (400).
     StateConflictError: the VF's state forbids the change now (409)."""
     async with host.lifecycle:
@@ -45,7 +58,7 @@ async def set_vf(host: Host, vf: VF, settings: VFSettings, caller: str = "admin"
         changed: dict[str, Any] = {}
         if weight is not None:
             changed["weight"] = [old.weight, weight]
-            await asyncio.wrap_future(host.sched.set_weight(vf.index, weight))
+            await host.reweigh(vf, weight)
         if fb is not None:
             changed["fb"] = [old.fb, fb]
             await _recarve(host, vf, fb)
@@ -59,7 +72,7 @@ async def set_vf(host: Host, vf: VF, settings: VFSettings, caller: str = "admin"
         )  # fmt: skip
 
 
-def _check_fb(host: Host, vf: VF, fb: int) -> None:
+def _check_fb(host: ReconfigHost, vf: VF, fb: int) -> None:
     if (why := admin_refusal(AdminOp.SET_FB, vf)) is not None:
         raise StateConflictError(f"fb = {format_size(fb)}: VF{vf.index}: {why}")
     others = sum(v.fb for v in host.vfm.vfs if v is not vf)
@@ -73,7 +86,7 @@ def _check_fb(host: Host, vf: VF, fb: int) -> None:
         )
 
 
-async def _recarve(host: Host, vf: VF, fb: int) -> None:
+async def _recarve(host: ReconfigHost, vf: VF, fb: int) -> None:
     if not enabled(vf):
         return  # no FB now; `vf enable` carves the new size
     if not host.vfm.accepts(vf, VFEvent.RECARVE):
