@@ -26,10 +26,13 @@ import itertools
 import json
 import os
 import selectors
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpuvirt.bench import mps
@@ -193,13 +196,16 @@ def one_run(plan: FaultPlan, params: list[dict[str, Any]], env: dict[str, str]) 
     tenants = {f"T{i}": Tenant(f"T{i}") for i in range(TENANTS)}
     sel = selectors.DefaultSelector()
 
+    logs = Path(tempfile.mkdtemp(prefix="gpuvirt-isolation-"))
+
     def start(name: str, p: dict[str, Any]) -> None:
         arg = json.dumps({**p, "seed": int(name[1:]) + 1,
                           "fault": plan.name if name == "T0" else None})  # fmt: skip
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuvirt.bench.isolation_tenant", arg], env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        with open(logs / f"{name}.log", "a") as err:  # the child keeps its own copy
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gpuvirt.bench.isolation_tenant", arg], env=env,
+                text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+            )  # fmt: skip
         procs[name] = proc
         sel.register(proc.stdout, selectors.EVENT_READ, name)  # type: ignore[arg-type]
 
@@ -225,7 +231,8 @@ def one_run(plan: FaultPlan, params: list[dict[str, Any]], env: dict[str, str]) 
             start(f"T{i}", p)
         pump(time.monotonic() + START_TIMEOUT_S, lambda: all(said(n, "ready") for n in tenants))
         if not all(said(n, "ready") for n in tenants):
-            raise DeviceError(f"{plan.name}: tenants did not start: {tenants}")
+            tails = {n: (logs / f"{n}.log").read_text()[-800:] for n in tenants}
+            raise DeviceError(f"{plan.name}: tenants did not start; their stderr: {tails}")
         pump(time.monotonic() + BEFORE_S)
         fault_t = time.monotonic()
         _tell(procs["T0"], "fault")
@@ -245,6 +252,7 @@ def one_run(plan: FaultPlan, params: list[dict[str, Any]], env: dict[str, str]) 
                 proc.wait()
                 tenants[name].killed = True
             tenants[name].rc = proc.returncode
+        shutil.rmtree(logs, ignore_errors=True)
     return outcome(plan, tenants, fault_t, end_t, SHARE)
 
 
