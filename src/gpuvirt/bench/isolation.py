@@ -173,6 +173,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
         for plan in FAULTS:
             params = [{"mode": "gpuvirt", "vf": i, "socket": str(hp.socket),
                        "token": hp.token(i)} for i in range(TENANTS)]  # fmt: skip
+            settle(hp, START_TIMEOUT_S)  # the last run's guests' finis: fresh engines
             runs[plan.name]["gpuvirt"] = one_run(plan, params, base)
     native = [{"mode": "native"} for _ in range(TENANTS)]
     for plan in FAULTS:
@@ -188,6 +189,19 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     r.notes.append("MPS runs with CUDA_MPS_PINNED_DEVICE_MEM_LIMIT = the share per client; "
                    "gpuvirt's engines have no such cap on a tenant's own cudaMalloc")  # fmt: skip
     return r
+
+
+def settle(hp: Any, timeout: float) -> None:
+    """Until every VF is AVAIL (its engine restarted after the last tenant's fini or
+    FLR), waiting on the host's events; DeviceError naming the states past the timeout."""
+    deadline = time.monotonic() + timeout
+    after = 0
+    while (states := [v["state"] for v in hp.admin.status()["vfs"]]) != ["AVAIL"] * TENANTS:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeviceError(f"the host's VFs did not come back to AVAIL: {states}")
+        evs = hp.admin.events(after=after, wait=min(left, 2.0))
+        after = max((e["seq"] for e in evs), default=after)
 
 
 def one_run(plan: FaultPlan, params: list[dict[str, Any]], env: dict[str, str]) -> dict[str, Any]:
