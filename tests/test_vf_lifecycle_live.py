@@ -13,7 +13,7 @@ import gpuvirt
 from gpuvirt.bench.common import host_config
 from gpuvirt.errors import GpuvirtError
 from gpuvirt.host.process import HostProcess
-from helpers import hold_fullaccess, wait_state
+from helpers import MakeHost, hold_fullaccess, wait_state
 
 pytestmark = pytest.mark.timeout(600)
 GUARD = 2  # FLRs allowed in the window; the next one quarantines
@@ -74,3 +74,16 @@ def test_random_actions_end_where_the_state_table_says(host: HostProcess, steps)
         got = {v["index"]: (v["state"], v["guard"]["recent_flrs"]) for v in host.status()["vfs"]}
         assert got == model, (action, vf)
     assert host.alive()
+
+
+def test_the_daemon_hands_the_init_lock_on_once_a_guest_is_active(make_host: MakeHost) -> None:
+    # GUEST_READY releases nothing in the table (tests/test_vf_states.py's model stops
+    # there): Host.activate() must. If it forgot, VF1's init would wait for a lock that
+    # VF0, ACTIVE and past its fullaccess timeout's reach, never gives back.
+    hp = make_host(scheduler={"fullaccess_timeout_ms": 60_000})
+    with gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as a:
+        assert hp.admin.vf(0)["state"] == "ACTIVE"
+        with gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1), timeout=10) as b:
+            assert hp.admin.vf(1)["state"] == "ACTIVE"
+            assert b.launch(lambda xp: 1).result(30) == 1
+        assert a.launch(lambda xp: 0).result(30) == 0

@@ -173,14 +173,15 @@ def test_no_host_module_but_vfmgr_names_a_state() -> None:
 
 
 class Lifecycle(RuleBasedStateMachine):
-    """Random event sequences: refused ones change nothing; the init lock is held
-    exactly while the VF is in FULLACCESS; the log has one line per event sent."""
+    """Random event sequences: refused ones change nothing; the table's actions hold
+    the init lock exactly while the VF is in FULLACCESS, except on GUEST_READY, whose
+    release is the daemon's; the log has one line per event sent."""
 
     def __init__(self) -> None:
         super().__init__()
         self.released: list[int] = []
         self.vfm, self.vf = _manager(S.UNAVAIL, self.released)
-        self.lock_held = False
+        self.lock_held: bool | None = False  # None: the daemon's to release, not the table's
         self.sent = 0
 
     @rule(event=st.sampled_from(list(VFEvent)))
@@ -194,19 +195,25 @@ class Lifecycle(RuleBasedStateMachine):
             return
         n = len(self.released)
         new = self.vfm.send(self.vf, event, "random")
+        released = len(self.released) - n
+        assert released == (1 if before is S.FULLACCESS and new is not S.ACTIVE else 0)
         if new is S.FULLACCESS:
             self.lock_held = True
-        elif before is S.FULLACCESS and new is not S.ACTIVE:
-            assert len(self.released) == n + 1
+        elif released:
             self.lock_held = False
         elif before is S.FULLACCESS:
-            self.lock_held = False  # GUEST_READY: activate() releases after the switch
-        else:
-            assert len(self.released) == n
+            # GUEST_READY: the table releases nothing; Host.activate() must, once the VF
+            # no longer runs alone. The model does not do that for it: from here the lock
+            # is the daemon's, which test_vf_lifecycle_live.py checks on a live host
+            # (test_the_daemon_hands_the_init_lock_on_once_a_guest_is_active).
+            self.lock_held = None
 
     @invariant()
     def lock_only_in_fullaccess(self) -> None:
-        assert self.lock_held == (self.vf.state is S.FULLACCESS)
+        if self.lock_held is not None:
+            assert self.lock_held == (self.vf.state is S.FULLACCESS)
+        else:
+            assert self.vf.state is not S.FULLACCESS
 
     @invariant()
     def every_event_logged(self) -> None:
