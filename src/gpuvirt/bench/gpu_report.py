@@ -94,7 +94,7 @@ def isolation_table(result: dict[str, Any]) -> list[str]:
                 f"{'-' if beyond is None else round(beyond / 2**30, 2)} |"
             )
     skipped = result.get("setups_skipped") or {}
-    lines += [f"- {k} not run: {v}" for k, v in skipped.items()]
+    lines += ["", *(f"- {k} not run: {v}" for k, v in skipped.items())] if skipped else []
     return [*lines, ""]
 
 
