@@ -318,6 +318,7 @@ def test_fail_reason_values() -> None:
         "BAD_STATE": 0x1007,
         "BAD_ATTACH": 0x1008,
         "TOO_MANY": 0x1009,
+        "TOO_MANY_UID": 0x100A,
     }
 
 

@@ -34,6 +34,12 @@ DEFAULT_VF_WEIGHT = 1.0
 # Per-peer limits on the mailbox and the event log (DESIGN.md, "Untrusted inputs").
 DEFAULT_ATTACH_TIMEOUT_MS = 5000  # a connection not attached by then is closed
 DEFAULT_MAX_PENDING_ATTACH = 64  # connections not yet attached, all peers together
+# ... and of one uid (SO_PEERCRED): one uid's flood leaves the others their slots
+MAX_PENDING_ATTACH_PER_UID = 16
+# A guest refused for load (TOO_MANY, TOO_MANY_UID) tries again after this, doubling
+# up to the cap, within attach()'s own timeout.
+ATTACH_RETRY_FIRST_S = 0.05
+ATTACH_RETRY_MAX_S = 1.0
 DEFAULT_MAX_FRAMES_PER_S = 1000  # per connection; an honest guest sends a handful
 DEFAULT_EVENT_LOG_MAX = 16 * MiB  # events.jsonl is rotated past this
 DEFAULT_EVENT_LOG_FILES = 4  # rotated files kept: events.jsonl.1 .. .N

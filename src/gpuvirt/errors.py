@@ -28,6 +28,12 @@ class AuthRefusedError(GpuvirtError):
     """The host refused ATTACH: wrong token, VF index, uid, or the VF is taken."""
 
 
+class HostBusyError(AuthRefusedError):
+    """The host refused ATTACH for load (too many connections waiting to attach, of
+    all peers or of this uid) for as long as attach() kept trying; the message names
+    which."""
+
+
 class OutOfMemoryError(GpuvirtError):
     """The VF's FB has no free block large enough for an allocation."""
 

@@ -29,10 +29,10 @@ from gpuvirt.errors import (
     AuthRefusedError,
     DetachedError,
     GpuvirtError,
-    HostUnreachableError,
     VFResetError,
 )
 from gpuvirt.guest.extension import NetExtension, make_netgpu
+from gpuvirt.guest.handshake import attach_socket, reason_text
 from gpuvirt.guest.memory import Allocator, Buffer, MappedFB
 from gpuvirt.guest.queue import CommandQueue, Kernel, LaunchFuture, kernel
 from gpuvirt.guest.staging import StagedFB, StagingArea
@@ -50,8 +50,6 @@ from gpuvirt.protocol.info import (
 )
 from gpuvirt.protocol.mailbox import (
     FRAME_SIZE,
-    Attach,
-    FailReason,
     Frame,
     GuestMsg,
     HostMsg,
@@ -64,28 +62,6 @@ __all__ = ["Gpu", "attach", "kernel"]
 DRIVER_VERSION = "gpuvirt-guest 0.1.0"
 REPLY_TIMEOUT_S = 15.0  # a reply that may wait for the schedule
 FLR_TIMEOUT_S = 10.0  # FLR completion
-
-_REFUSALS = {
-    FailReason.BAD_TOKEN: "the token is wrong for this VF",
-    FailReason.BAD_VF: "no such VF on this host",
-    FailReason.BAD_UID: "your uid is not allowed to use this VF",
-    FailReason.VF_BUSY: "another guest holds this VF",
-    FailReason.VF_DISABLED: "the VF is disabled or failed",
-    FailReason.QUARANTINED: "the VF is quarantined after repeated resets; an admin must run "
-    "`gpuvirt vf clear-guard N`",
-    FailReason.BAD_ATTACH: "the host did not understand the ATTACH frame",
-    FailReason.BAD_STATE: "the VF is not in a state that allows this now (being reset or "
-    "re-initialized?); retry once it is ready",
-    FailReason.TOO_MANY: "the host has too many connections waiting to attach; try again",
-}
-
-
-def _reason(frame: Frame) -> str:
-    try:
-        reason = FailReason(frame.dw1)
-    except ValueError:
-        return f"refused (code 0x{frame.dw1:x})"
-    return _REFUSALS.get(reason, f"refused ({reason.name})")
 
 
 class Gpu:
@@ -275,7 +251,7 @@ class Gpu:
             for fd in fds:
                 os.close(fd)
             raise AuthRefusedError(
-                f"VF{self.vf}: {GuestMsg(frame.msg).name} refused: {_reason(reply)}"
+                f"VF{self.vf}: {GuestMsg(frame.msg).name} refused: {reason_text(reply)}"
             )
         if reply.msg != want:
             for fd in fds:
@@ -441,7 +417,6 @@ def attach(
     """Attach to a VF. Defaults come from GPUVIRT_VF, GPUVIRT_SOCKET, and GPUVIRT_TOKEN or
     else GPUVIRT_TOKEN_FILE (a file holding the token, as a Kubernetes device plugin mounts it).
     GPUVIRT_POLL_US bounds how long a wait for a result polls before it sleeps (0: never)."""
-    import socket as socket_mod
 
     path = socket or os.environ.get("GPUVIRT_SOCKET") or mailbox_socket()
     if vf is None:
@@ -456,27 +431,10 @@ def attach(
         token = os.environ.get("GPUVIRT_TOKEN") or _token_from_file()
     raw = parse_token(token)
     poll_ns = poll_limit_ns(os.environ.get(POLL_ENV))
-    sock = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
-    try:
-        sock.connect(os.fspath(path))
-    except OSError as e:
-        sock.close()
-        raise HostUnreachableError(
-            f"cannot reach the gpuvirt host at {path}: {e.strerror}; is `gpuvirt host` running "
-            "and is this the socket it printed?"
-        ) from None
-    sock.sendall(Attach(vf=vf, token=raw).encode())
+    sock = attach_socket(path, vf, raw, timeout)  # the host's SUCCESS to ATTACH read
     gpu = Gpu(vf, sock, on_reset, poll_ns)
     try:
-        reply, _ = gpu._replies.get(timeout=timeout)
-        if reply.msg != HostMsg.SUCCESS:
-            raise AuthRefusedError(f"attach to VF{vf} refused: {_reason(reply)}")
         gpu._init()
-    except queue_mod.Empty:
-        gpu._teardown(DetachedError("no answer"))
-        raise HostUnreachableError(
-            f"host at {path} did not answer ATTACH within {timeout} s"
-        ) from None
     except BaseException:
         gpu._teardown(DetachedError(f"attach to VF{vf} failed"))
         raise

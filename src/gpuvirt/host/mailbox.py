@@ -9,7 +9,9 @@ state gets FAIL(BAD_STATE, DW3 = the id). A closed connection is a fini. Which
 request each state answers is `MAILBOX` in host/vfmgr.py, beside the VF table.
 
 Limits per peer (DESIGN.md, "Untrusted inputs"): at most `max_pending_attach`
-connections may be waiting to attach, each for `attach_timeout`; an attached
+connections may be waiting to attach, at most MAX_PENDING_ATTACH_PER_UID of them
+of one uid (so one uid's flood never takes another's slot), each for
+`attach_timeout`; one more is answered FAIL(TOO_MANY or TOO_MANY_UID); an attached
 guest's frames are read at most `max_frames_per_s` (beyond that the host stops
 reading, so the flood backs up in the peer's own socket); one guest-requested
 FLR at a time per VF; refusals and LOG_VF_ERROR reach the event log through a
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpuvirt.config import HostSection
+from gpuvirt.defaults import MAX_PENDING_ATTACH_PER_UID
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.ratelimit import EventThrottle, TokenBucket
 from gpuvirt.host.vfmgr import ATTACH, VF, mailbox_refusal
@@ -99,6 +102,7 @@ class MailboxServer:
         self.limits = limits
         self._secure = secure
         self.pending = 0  # connections accepted and not yet attached (or refused)
+        self.pending_by_uid: dict[int, int] = {}
         self.refusals = EventThrottle(EVENTS_PER_S, EVENT_BURST)
         self._sock: socket.socket | None = None
 
@@ -126,21 +130,37 @@ class MailboxServer:
         while True:
             conn, _ = await loop.sock_accept(srv)
             conn.setblocking(False)
+            peer = peer_cred(conn)
+            uid = peer[1]
+            per_uid = min(MAX_PENDING_ATTACH_PER_UID, self.limits.max_pending_attach)
             if self.pending >= self.limits.max_pending_attach:
-                self._refuse_excess(conn)
-                continue
-            self.pending += 1
-            self.host.spawn(Session(self, conn).run())
+                self._refuse_excess(conn, peer, FailReason.TOO_MANY,
+                                    f"{self.pending} connections already waiting to attach "
+                                    f"(host.max_pending_attach = "
+                                    f"{self.limits.max_pending_attach})")  # fmt: skip
+            elif self.pending_by_uid.get(uid, 0) >= per_uid:
+                self._refuse_excess(conn, peer, FailReason.TOO_MANY_UID,
+                                    f"{per_uid} connections of uid {uid} already waiting to "
+                                    "attach (MAX_PENDING_ATTACH_PER_UID)")  # fmt: skip
+            else:
+                self.pending += 1
+                self.pending_by_uid[uid] = self.pending_by_uid.get(uid, 0) + 1
+                self.host.spawn(Session(self, conn, peer).run())
 
-    def _refuse_excess(self, conn: socket.socket) -> None:
+    def attach_done(self, uid: int) -> None:
+        """A pending connection attached or was refused: its slots are free."""
+        self.pending -= 1
+        left = self.pending_by_uid.pop(uid) - 1
+        if left:
+            self.pending_by_uid[uid] = left
+
+    def _refuse_excess(
+        self, conn: socket.socket, peer: tuple[int, int], reason: FailReason, why: str
+    ) -> None:
         with contextlib.suppress(OSError):
-            conn.send(fail(FailReason.TOO_MANY).encode())
+            conn.send(fail(reason).encode())
         conn.close()
-        self.refused(
-            FailReason.TOO_MANY,
-            f"{self.pending} connections already waiting to attach "
-            f"(host.max_pending_attach = {self.limits.max_pending_attach})", None, None,
-        )  # fmt: skip
+        self.refused(reason, why, None, peer)
 
     def refused(
         self, reason: FailReason, why: str, vf: int | None, peer: tuple[int, int] | None
@@ -176,17 +196,23 @@ async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: in
     return bytes(buf)
 
 
+def peer_cred(sock: socket.socket) -> tuple[int, int]:
+    """The connected peer's pid and uid, as the kernel recorded them at connect."""
+    pid, uid, _gid = struct.unpack(
+        "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
+    return pid, uid
+
+
 class Session:
-    def __init__(self, server: MailboxServer, sock: socket.socket) -> None:
+    def __init__(self, server: MailboxServer, sock: socket.socket, peer: tuple[int, int]) -> None:
         self.server = server
         self.host = server.host
         self.sock = sock
         self.vf: VF | None = None
         self.ready_to_reset = asyncio.Event()
         self.doorbell: int | None = None
-        self.peer_pid, self.peer_uid, _gid = struct.unpack(
-            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        )
+        self.peer_pid, self.peer_uid = peer
         self._alive_nonce = 0
         self._alive = asyncio.Event()
         self._closed = False
@@ -232,7 +258,7 @@ class Session:
             try:
                 attached = await self._attach(loop)
             finally:
-                self.server.pending -= 1
+                self.server.attach_done(self.peer_uid)
             if attached:
                 await self._serve(loop)
         finally:

@@ -107,6 +107,7 @@ class FailReason(IntEnum):
     BAD_STATE = 0x1007
     BAD_ATTACH = 0x1008
     TOO_MANY = 0x1009  # too many connections waiting to attach; try again later
+    TOO_MANY_UID = 0x100A  # too many of this uid's connections waiting to attach
 
 
 @dataclass(frozen=True)
