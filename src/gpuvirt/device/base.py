@@ -261,8 +261,9 @@ class Device(abc.ABC):
     """One GPU as the host sees it: FBs to carve and engines to run on them."""
 
     backend: str
-    # CPUs the device executes on, where that is the host's own (emu); the scheduler
-    # thread joins them so a world switch never crosses CPUs. None: a real device.
+    # CPUs the device executes on, where that is the host's own (emu); the host keeps
+    # its own threads off them, the scheduler thread included (it runs beside them, so
+    # its work is no VF's device time). None: a real device.
     exec_cpus: set[int] | None = None
 
     @abc.abstractmethod

@@ -157,7 +157,7 @@ class EmuEngine(ProcessEngine):
             raise EngineDied(f"VF{self.spec.vf}: engine pid {self.pid} is gone") from None
 
 
-STOP_PRIORITY = 1  # SCHED_FIFO, below the scheduler thread's (host/sched.py)
+STOP_PRIORITY = 1  # SCHED_FIFO, below the scheduler thread's (defaults.RT_PRIORITY)
 
 
 def _tasks(pid: int) -> list[int]:

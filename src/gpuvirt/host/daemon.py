@@ -142,8 +142,9 @@ class Host:
     def _keep_off_device(self) -> None:
         """On emu the device's CPU is the emulated GPU's: from now on the host's own work
         (its loop, its threads, the sandboxes it spawns) runs beside it, not on it, and
-        takes no device time from a VF. Only the scheduler thread stays there. Not
-        before now: starting the VFs' engines may use every CPU, nothing runs yet."""
+        takes no device time from a VF. The scheduler thread moved itself beside it
+        when it started (host/sched.py). Not before now: starting the VFs' engines may
+        use every CPU, nothing runs yet."""
         device = self.device.exec_cpus or set()
         others = os.sched_getaffinity(0) - device
         if not device or not others:

@@ -274,14 +274,6 @@ class EngineCgroup:
             return []
         return [int(p) for p in text.split()]
 
-    def memory_peak(self) -> int:
-        mem = self.dirs["memory"]
-        name = "memory.peak" if self.hier.version == 2 else "memory.max_usage_in_bytes"
-        try:
-            return int(self.fs.read(mem / name))
-        except (OSError, ValueError):
-            return 0
-
     def kill(self) -> None:
         """SIGKILL everything in the group and wait until it is empty.
 
