@@ -7,13 +7,28 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuvirt.device.sandbox.bwrap import interpreter_paths
 from gpuvirt.host.process import HostProcess
 from gpuvirt.protocol.mailbox import FRAME_SIZE, Attach, Frame, GuestMsg, HostMsg
 
 MakeHost = Callable[..., HostProcess]
+T = TypeVar("T")
+
+
+def wait_until(
+    cond: Callable[[], T], timeout: float = 30.0, what: str = "the condition", every: float = 0.01
+) -> T:
+    """Until `cond()` is truthy, which it returns. For what a test can only poll (a
+    counter, a status word, /proc, a file the host appends to), checked every `every`
+    seconds: the poll's period, never a sleep standing in for the thing awaited."""
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(every)
+    return got
 
 
 def wait_event(

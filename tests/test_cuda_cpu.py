@@ -38,6 +38,7 @@ from gpuvirt.errors import DeviceError, GpuvirtError, StateError
 from gpuvirt.guest.queue import CommandQueue, kernel
 from gpuvirt.protocol.command import BufDesc
 from gpuvirt.protocol.info import PF2VF_OFFSET, RESERVED_SIZE
+from helpers import wait_until
 
 # Kernels defined here run in engine processes that cannot import this module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -212,10 +213,7 @@ def test_idle_waits_for_the_running_kernel_to_end(rig: Rig) -> None:
     q = rig.attach()
     desc = BufDesc(RESERVED_SIZE, (16,), "<f4")
     fut = q.launch(kernel(_sleep_then_fill), (desc,), {"seconds": 0.4})
-    deadline = time.monotonic() + T
-    while not e.status[Word.CURRENT_SEQ]:  # wait until the kernel is running
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: e.status[Word.CURRENT_SEQ], T, "the kernel running")
     took = e.command(WSCommand.IDLE_GPU, T)
     # A kernel boundary is the only place the engine can stop: not before it ends.
     assert took > 0.2
@@ -229,10 +227,7 @@ def test_a_kernel_that_never_ends_is_a_command_timeout(rig: Rig) -> None:
     e.command(WSCommand.RUN_GPU, T)
     q = rig.attach()
     fut = q.launch(kernel(_spin), (), {})
-    deadline = time.monotonic() + T
-    while not e.status[Word.CURRENT_SEQ]:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: e.status[Word.CURRENT_SEQ], T, "the kernel running")
     t0 = time.monotonic()
     with pytest.raises(CommandTimeout, match="did not acknowledge IDLE_GPU within 300 ms"):
         e.command(WSCommand.IDLE_GPU, 0.3)

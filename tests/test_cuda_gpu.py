@@ -25,7 +25,7 @@ from gpuvirt.bench.common import scratch_host
 from gpuvirt.device.cuda import GpuInfo, probe_gpu
 from gpuvirt.errors import DeviceError, GpuvirtError, KernelError, VFResetError
 from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_STAGING, RESERVED_SIZE
-from helpers import wait_event
+from helpers import wait_event, wait_until
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
@@ -199,10 +199,7 @@ def test_hung_cuda_kernel_resets_only_its_vf(gpu_info: GpuInfo) -> None:
                 assert not fresh.read().any(), "FB not scrubbed after the FLR"
                 vf0 = next(v for v in hp.status()["vfs"] if v["index"] == 0)
                 assert vf0["flr_count"] >= 1
-            deadline = time.monotonic() + 30
-            while neighbour["done"] <= before and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert neighbour["done"] > before, "the neighbour VF stopped completing kernels"
+            wait_until(lambda: neighbour["done"] > before, 30, "the neighbour completing kernels")
         finally:
             stop.set()
             t.join(120)
@@ -220,9 +217,7 @@ def test_killed_engine_is_reset_and_the_vf_comes_back(gpu_info: GpuInfo) -> None
         buf.write(np.ones(10, np.float32))
         pid = next(v for v in hp.status()["vfs"] if v["index"] == 0)["engine_pid"]
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while g.resets == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: g.resets, 60, "the guest hearing of the reset", every=0.05)
         g.wait_ready(60)
         fresh = g.alloc(10, np.float32)
         fresh.write(np.arange(10, dtype=np.float32))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import gpuvirt
-from helpers import MakeHost, hold_fullaccess, last_seq, wait_event
+from helpers import MakeHost, hold_fullaccess, last_seq, wait_event, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,14 +38,11 @@ def _events_file(hp) -> Path:
 def _wait_logged(path: Path, match, timeout: float = 60.0) -> dict:
     """The first event in the host's log file that `match` accepts (the admin endpoint
     cannot be asked: the host may open no descriptor at all)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in path.read_text().splitlines():
-            ev = json.loads(line)
-            if match(ev):
-                return ev
-        time.sleep(0.05)  # polling the host's own log, which it appends to
-    raise TimeoutError("event never logged")
+
+    def logged() -> dict | None:
+        return next((e for e in map(json.loads, path.read_text().splitlines()) if match(e)), None)
+
+    return wait_until(logged, timeout, "the event logged", every=0.05)
 
 
 def test_emfile_during_an_flr_leaves_the_vf_failed_not_resetting(make_host: MakeHost) -> None:
@@ -91,7 +88,6 @@ def _liar(xp):
     """A hung kernel that rewrites its engine's CURRENT_SEQ and start time, as any
     kernel can: the status words are in the engine's own memory."""
     import gc
-    import time
 
     from gpuvirt.device.status import StatusArea, Word
 

@@ -12,7 +12,6 @@ import itertools
 import re
 import socket
 import threading
-import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ from gpuvirt.netgpu import Frag, NetGPUError, Pool, RxError, StreamError, TokenE
 from gpuvirt.netgpu.providers import select_provider
 from gpuvirt.netgpu.tx import SYNTH_BLOCK, SyntheticSource, split
 from gpuvirt.protocol.frames import FLAG_CRC, Header, header_for
-from helpers import last_seq, wait_event
+from helpers import last_seq, wait_event, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 RX_TIMEOUT = 10.0  # a receive that waits this long for anything is a failed test, not a hang
@@ -299,10 +298,7 @@ def test_a_dry_pool_holds_the_sender_back_and_loses_nothing(gpu: Any) -> None:
         waits = pool.dry_waits
         box: list[Frag] = []
         reader = in_thread(lambda: box.append(next(rx)))
-        deadline = time.monotonic() + RX_TIMEOUT
-        while pool.dry_waits == waits:  # until the reader reports it is waiting
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        wait_until(lambda: pool.dry_waits != waits, RX_TIMEOUT, "the reader waiting", every=0.001)
         assert not box and not done.is_set()
         received = b"".join(f.array().tobytes() for f in held)
         pool.release([f.token for f in held])
@@ -445,13 +441,6 @@ def _wchan(thread: threading.Thread) -> str:
     return Path(f"/proc/self/task/{thread.native_id}/wchan").read_text()
 
 
-def _wait_for(what: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + RX_TIMEOUT
-    while not what():
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-
-
 def test_framed_messages_sent_one_at_a_time_are_each_delivered_without_waiting_for_more(
     gpu: Any,
 ) -> None:
@@ -505,8 +494,8 @@ def test_vf_lost_wakes_a_reader_parked_in_recv(gpu: Any) -> None:
         reader = in_thread(lambda: (list(rx), ended.set()))
         # where a recv on an idle socketpair sleeps, measured on the probe (not a futex: that
         # is the probe on its way in, waiting for the GIL)
-        _wait_for(lambda: _wchan(probe) != "0" and "futex" not in _wchan(probe))
-        _wait_for(lambda: _wchan(reader) == _wchan(probe))  # the reader is parked in recv
+        wait_until(lambda: _wchan(probe) != "0" and "futex" not in _wchan(probe), every=0.001)
+        wait_until(lambda: _wchan(reader) == _wchan(probe), every=0.001)  # parked in recv
         gpu.netgpu.vf_lost()
         reader.join(RX_TIMEOUT)
         assert ended.is_set() and pool.free_chunks == pool.nchunks

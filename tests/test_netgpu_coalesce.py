@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import pytest
 import gpuvirt
 from gpuvirt.bench.common import scratch_host
 from gpuvirt.netgpu import NetGPUError
+from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 RX_TIMEOUT = 10.0
@@ -212,14 +212,13 @@ def test_a_stream_idle_past_a_period_is_woken_by_a_single_byte(gpu: Any) -> None
 
         reader = threading.Thread(target=receive, daemon=True)
         reader.start()
+        wchan = Path(f"/proc/self/task/{reader.native_id}/wchan")
         with b:
             for byte in (b"a", b"b", b"c"):
                 # parked in poll: a whole period went by with nothing
-                deadline = time.monotonic() + RX_TIMEOUT
-                wchan = Path(f"/proc/self/task/{reader.native_id}/wchan")
-                while "poll" not in wchan.read_text():
-                    assert time.monotonic() < deadline, "the reader never waited in poll"
-                    time.sleep(0.001)
+                wait_until(
+                    lambda: "poll" in wchan.read_text(), RX_TIMEOUT, "the reader in poll", 0.001
+                )
                 b.sendall(byte)
                 assert got.get(timeout=RX_TIMEOUT) == byte
         reader.join(RX_TIMEOUT)

@@ -16,6 +16,7 @@ from gpuvirt.device.status import Word
 from gpuvirt.host.policy import Policy
 from gpuvirt.host.sched import IDLE_WAKES_MAX, Scheduler
 from gpuvirt.host.sched_entry import MAX_QUEUED
+from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 FB = 4 << 20
@@ -68,14 +69,6 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Callable[..., Rig]]:
         d.close()
 
 
-def until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Until `cond` holds, checked on the scheduler's own counters."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)  # polling the scheduler's counters, not standing in for them
-
-
 def test_an_exception_on_the_thread_resets_that_vf_and_the_others_keep_switching(rig) -> None:
     r = rig("round_robin", 3)
     bells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(3)]
@@ -87,7 +80,7 @@ def test_an_exception_on_the_thread_resets_that_vf_and_the_others_keep_switching
     assert (vf, reason) == (0, "sched_error") and "Bad file descriptor" in detail
     assert r.sched.alive()
     before = r.sched.snapshot()
-    until(lambda: r.sched.snapshot()["switches"] >= before["switches"] + 20)
+    wait_until(lambda: r.sched.snapshot()["switches"] >= before["switches"] + 20)
     after = r.sched.snapshot()
     assert after["errors"] == 1 and after["vfs"][0]["faulted"]
     assert after["vfs"][0]["switches_in"] == before["vfs"][0]["switches_in"]
@@ -139,7 +132,7 @@ def test_a_flooded_doorbell_is_bounded_and_wakes_the_thread_once_per_slice(rig) 
     os.eventfd_write(bells[1], 1 << 62)  # "I queued 2**62 launches"
     for _ in range(20_000):  # ...and a wake-up storm on top
         os.eventfd_write(bells[1], 1)
-    until(lambda: r.sched.snapshot()["current"] == 1)
+    wait_until(lambda: r.sched.snapshot()["current"] == 1)
     after = r.sched.snapshot()
     assert after["vfs"][1]["pending"] <= MAX_QUEUED
     woke = after["wakeups"] - before["wakeups"]
@@ -171,7 +164,7 @@ def test_an_idle_signal_storm_wakes_the_thread_a_bounded_number_of_times_a_slice
     for vf, fd in enumerate(bells):
         r.sched.set_guest(vf, fd).result(10)
         os.eventfd_write(fd, 1)  # one launch each that never completes: both stay busy
-    until(lambda: r.sched.snapshot()["current"] is not None)
+    wait_until(lambda: r.sched.snapshot()["current"] is not None)
     before = r.sched.snapshot()
     for _ in range(20_000):  # the engine's "my queue drained" eventfd, written as it can
         for e in r.engines:
