@@ -13,10 +13,10 @@ import pytest
 
 import gpuvirt
 from gpuvirt.bench.workers import Workers, busy_guest, record
+from gpuvirt.defaults import MAX_QUEUED
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.errors import StateError
-from gpuvirt.host.sched_entry import MAX_QUEUED
 from helpers import MakeHost, hold_fullaccess
 
 pytestmark = pytest.mark.timeout(180)

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuvirt.defaults import REJOIN_NS
 from gpuvirt.errors import StateConflictError
-from gpuvirt.host.policy import REJOIN_NS, WORK_CONSERVING, Account, Policy, Rules
+from gpuvirt.host.policy import WORK_CONSERVING, Account, Policy, Rules
 from gpuvirt.host.sched_exclusive import FullAccess
 
 SLICE = 1_000_000

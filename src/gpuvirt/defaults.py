@@ -5,9 +5,8 @@ own copy of a number. The wire format's own numbers are the protocol's, in
 protocol/ (which imports nothing of ours): frame sizes, the VF limit
 (`mailbox.MAX_VFS`, GIM's 31), the token size (`mailbox.TOKEN_SIZE`), the FB's
 reserved head (`info.RESERVED_SIZE`: PF2VF and VF2PF). The host's numbers are
-here; the mailbox's per-session read sizes and event throttle are the exception
-still in host/mailbox.py. Engine-, tenant- and client-side modules (device/,
-guest/, netgpu/, cli/, k8s/, bench/) keep their private numbers beside the code.
+here. Engine-, tenant- and client-side modules (device/, guest/, netgpu/, cli/,
+k8s/, bench/) keep their private numbers beside the code that uses them.
 """
 
 from __future__ import annotations
@@ -80,3 +79,9 @@ ADMIN_MAX_REQUEST = 16 * KiB  # an admin request's head, and its body
 ADMIN_MAX_CLIENTS = 64  # admin requests in flight; more get 503 rather than host memory
 ADMIN_MAX_WAIT_S = 30.0  # the longest long-poll of /events
 SHARE_WINDOW = 5  # samples (1 s apart) behind a VF's achieved share
+MAILBOX_QUEUED_REQUESTS = 16  # per session; past this the mailbox's reader waits for its worker
+MAILBOX_READ_FRAMES = 256  # frames one read of a guest's socket takes at most
+# Guest-caused events of one kind (refusals, LOG_VF_ERROR): a rate and a burst, per second.
+GUEST_EVENTS_PER_S, GUEST_EVENT_BURST = 5.0, 20.0
+EVENT_HISTORY_KEEP = 512  # reset and guard events kept per VF: a few hundred FLRs at ~10 each
+EVENT_RING_KEEP = 4096  # the newest events kept in memory for /events, all VFs together

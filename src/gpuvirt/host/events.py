@@ -29,6 +29,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from gpuvirt.defaults import EVENT_HISTORY_KEEP as HISTORY_KEEP
+from gpuvirt.defaults import EVENT_RING_KEEP
 from gpuvirt.text import printable, printable_data
 
 
@@ -57,14 +59,13 @@ class Event:
 
 
 HISTORY = (Category.RESET, Category.GUARD)  # kept per VF, apart from the common ring
-HISTORY_KEEP = 512  # per VF: a few hundred FLRs at ~10 events each
 
 
 class EventLog:
     def __init__(
         self,
         path: Path | None,
-        keep: int = 4096,
+        keep: int = EVENT_RING_KEEP,
         max_bytes: int = 16 << 20,
         files: int = 4,
     ) -> None:

@@ -37,7 +37,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpuvirt.config import HostSection
-from gpuvirt.defaults import MAX_PENDING_ATTACH_PER_UID
+from gpuvirt.defaults import GUEST_EVENT_BURST as EVENT_BURST
+from gpuvirt.defaults import GUEST_EVENTS_PER_S as EVENTS_PER_S
+from gpuvirt.defaults import MAILBOX_QUEUED_REQUESTS as QUEUED_REQUESTS
+from gpuvirt.defaults import MAILBOX_READ_FRAMES, MAX_PENDING_ATTACH_PER_UID
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.ratelimit import EventThrottle, TokenBucket
 from gpuvirt.host.vfmgr import ATTACH, VF, mailbox_refusal
@@ -57,9 +60,7 @@ from gpuvirt.protocol.mailbox import (
 )
 
 _nonces = itertools.count(1)
-QUEUED_REQUESTS = 16  # per session; past this the reader waits for the worker
-READ_CHUNK = 256 * FRAME_SIZE
-EVENTS_PER_S, EVENT_BURST = 5.0, 20.0  # guest-caused events of one kind
+READ_CHUNK = MAILBOX_READ_FRAMES * FRAME_SIZE
 
 
 class MailboxHost(Protocol):
