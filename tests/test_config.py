@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tomllib
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gpuvirt
 from gpuvirt import config, paths
 from gpuvirt.config import (
     FB_ALIGN,
@@ -891,3 +893,11 @@ def test_a_loopback_admin_address_needs_no_token(admin: str) -> None:
 def test_limits_out_of_range_are_refused_with_key_and_value(key: str, value: str, why: str) -> None:
     with pytest.raises(ConfigError, match=rf"host\.{key}.*{why}"):
         parse_config(f"[host]\n{key} = {value}")
+
+
+def test_the_host_defines_no_number_of_its_own_outside_defaults() -> None:
+    # defaults.py's claim: the host's numbers live there (the wire format's in protocol/).
+    number = re.compile(r"^[A-Z][A-Z0-9_]*(\s*,\s*[A-Z][A-Z0-9_]*)*\s*(:[^=\n]*)?=\s*[-0-9]", re.M)
+    for package in ("host", "config"):
+        for path in (Path(gpuvirt.__file__).parent / package).rglob("*.py"):
+            assert not number.search(path.read_text()), (path, number.search(path.read_text()))
