@@ -22,7 +22,6 @@ from gpuvirt.bench.windows import busy_window, busy_windows, shares
 from gpuvirt.bench.workers import IN_FLIGHT, Workers, work_between
 
 WAIT_KERNEL_S = 0.001  # as the tenants: ~1 ms kernels, two in flight
-NATIVE_N = 4  # processes together in the native baseline of bench sched
 EQUAL = 5  # digits Jain's index is rounded to
 
 
