@@ -126,18 +126,47 @@ class EmuEngine(ProcessEngine):
         # other work the engine (which has just had the CPU) queues behind everyone else:
         # milliseconds per switch. Just above every normal task it takes the stop at once;
         # stopped, it gets its normal policy back for when it runs again.
-        self._boosted = _set_policy(self.pid, os.SCHED_FIFO, STOP_PRIORITY)
+        # RESET_ON_FORK: a thread the tenant starts meanwhile does not inherit the raise
+        # (no tenant thread ever runs at a real-time policy).
+        policy = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
+        self._boosted = _set_policy(self.pid, policy, STOP_PRIORITY)
         self._signal(signal.SIGSTOP)
 
     def _idle_landed(self, block: bool) -> bool:
         try:
             landed = self._wait_stopped(block)
+            if not landed and self._stop_cancelled():
+                raise StopCancelled(
+                    f"VF{self.spec.vf}: engine pid {self.pid} cancelled its stop "
+                    "(a SIGCONT of its own)"
+                )
         except DeviceError:
             self._unboost()
             raise
         if landed:
             self._unboost()
         return landed
+
+    def _stop_cancelled(self) -> bool:
+        """Whether the stop last sent is neither pending nor taken: a SIGCONT the tenant
+        sent itself discarded it (the kernel drops a pending stop when SIGCONT is sent).
+        Left raised, its engine would keep the device's CPU and the next VF's engine
+        could not take its own stop in time: the neighbour would be reset for it.
+
+        The pending masks are read first: a stop is dequeued and taken under one lock,
+        so once it is not pending the engine is either stopped or it was cancelled."""
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                pending = [
+                    int(line.split()[1], 16)
+                    for line in f
+                    if line.startswith(("SigPnd:", "ShdPnd:"))
+                ]
+        except OSError:
+            return False  # gone: the exit is reported as such
+        if any(m & _SIGSTOP_BIT for m in pending):
+            return False
+        return self._proc.poll_stopped() is None
 
     def _unboost(self) -> None:
         if self._boosted:
@@ -158,6 +187,11 @@ class EmuEngine(ProcessEngine):
 
 
 STOP_PRIORITY = 1  # SCHED_FIFO, below the scheduler thread's (defaults.RT_PRIORITY)
+_SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)  # in /proc/<pid>/status's pending masks
+
+
+class StopCancelled(DeviceError):
+    """The engine discarded the stop it was sent: the tenant's fault, reset alone."""
 
 
 def _tasks(pid: int) -> list[int]:

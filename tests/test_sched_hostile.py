@@ -1,0 +1,92 @@
+"""A hostile tenant against the world switch (issue 31): kernels on VF 1 of a root host
+with confinement required, the neighbour on VF 0 computing meanwhile.
+
+- A kernel that keeps sending itself SIGCONT cancels the stop the host posts (a pending
+  stop is discarded when SIGCONT is generated). Its engine, raised to SCHED_FIFO for that
+  stop, then kept the device's CPU, the neighbour's engine never got it to take its own
+  stop, and the host reset the neighbour. Only the tenant that cancels may lose its slice
+  or be reset.
+- Threads a kernel creates while its engine is raised for a stop inherited SCHED_FIFO,
+  and kept it. No tenant thread may run at a real-time policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from confine_env import hostile_scene
+from gpuvirt.errors import GpuvirtError
+from helpers import MakeHost
+
+pytestmark = pytest.mark.timeout(120)
+STORM_S = 3.0  # how long the attacker keeps at it: hundreds of the neighbour's slices
+
+
+def k_cancel_stops(xp: Any, seconds: float) -> int:
+    """One thread, sending itself SIGCONT as fast as it can."""
+    end, n, me = time.monotonic() + seconds, 0, os.getpid()
+    while time.monotonic() < end:
+        os.kill(me, signal.SIGCONT)
+        n += 1
+    return n
+
+
+def k_threads_while_raised(xp: Any, seconds: float, most: int) -> int:
+    """Watch for the host raising this engine to take a stop (it sets the policy, then
+    sends SIGSTOP) and start a thread (that then waits forever) in that window: a new
+    thread inherits the policy its creator has."""
+    end = time.monotonic() + seconds
+    forever = threading.Event()
+    started = 0
+    while time.monotonic() < end:
+        if started < most and os.sched_getscheduler(0) != os.SCHED_OTHER:
+            threading.Thread(target=forever.wait, daemon=True).start()
+            started += 1
+    return started
+
+
+def _flrs(hp: Any, vf: int) -> list[dict[str, Any]]:
+    return [e for e in hp.admin.events(after=0) if e["vf"] == vf and e["kind"] == "flr.start"]
+
+
+def test_a_tenant_that_cancels_its_stop_never_gets_its_neighbour_reset(
+    make_host: MakeHost,
+) -> None:
+    with hostile_scene(make_host) as sc:
+        sc.conn.send(("busy", STORM_S))  # the neighbour computes through the attack
+        fut = sc.gpu.launch(k_cancel_stops, STORM_S)
+        with contextlib.suppress(GpuvirtError):  # the attacker may be reset: its own fault
+            fut.result(60)
+        assert sc.conn.poll(60) and sc.conn.recv() is True, "the neighbour lost its kernel"
+        assert sc.neighbour_ok()
+        assert _flrs(sc.hp, 0) == []
+        # No engine is left raised: a tenant at SCHED_FIFO would keep the device's CPU.
+        for vf in (0, 1):
+            assert os.sched_getscheduler(sc.engine_pid(vf)) == os.SCHED_OTHER
+
+
+def test_no_tenant_thread_ever_runs_at_a_real_time_policy(make_host: MakeHost) -> None:
+    with hostile_scene(make_host) as sc:
+        sc.conn.send(("busy", STORM_S))
+        started = sc.gpu.launch(k_threads_while_raised, STORM_S, 40).result(60)
+        assert sc.conn.recv() is True
+        engine = sc.engine_pid(1)
+        raised = []
+        for tid in os.listdir(f"/proc/{engine}/task"):
+            if int(tid) == engine:
+                continue  # the engine's own thread is raised by the host, for a stop only
+            try:
+                policy = os.sched_getscheduler(int(tid))
+            except ProcessLookupError:
+                continue
+            if policy != os.SCHED_OTHER:
+                raised.append((int(tid), policy))
+        assert raised == [], (started, raised)
+        assert sc.neighbour_ok()
