@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from gpuvirt.defaults import REJOIN_NS
 from gpuvirt.errors import StateConflictError
 from gpuvirt.host.policy import WORK_CONSERVING, Account, Policy, Rules
+from gpuvirt.host.sched import disagreement
 from gpuvirt.host.sched_exclusive import FullAccess
 
 SLICE = 1_000_000
@@ -168,3 +169,30 @@ def test_fullaccess_is_answered_only_once_its_vf_runs_and_fails_if_the_vf_leaves
     assert full.vf == 0  # VF1 leaving does not end VF0's grant
     full.left(0)
     assert full.vf is None
+
+
+def test_a_slice_is_charged_the_devices_figure_bounded_by_its_wall_time() -> None:
+    rules = Rules(Policy.WEIGHTED, SLICE)
+    a = Account(0, 2.0, has_guest=True)
+    rules.begin_slice(a, 1_000)
+    rules.end_slice(a, 1_000 + SLICE, device_ran=SLICE // 4)  # the device was busy 1/4
+    assert (a.device_ns, a.wall_ns) == (SLICE // 4, SLICE)
+    assert a.vtime == SLICE // 4 / 2.0
+    rules.begin_slice(a, 10 * SLICE)
+    rules.end_slice(a, 11 * SLICE, device_ran=5 * SLICE)  # a liar: never above the wall
+    assert (a.device_ns, a.wall_ns) == (SLICE // 4 + SLICE, 2 * SLICE)
+    rules.begin_slice(a, 20 * SLICE)
+    rules.end_slice(a, 21 * SLICE, device_ran=-7)  # nor below zero
+    assert a.device_ns == SLICE // 4 + SLICE
+    rules.begin_slice(a, 30 * SLICE)
+    rules.end_slice(a, 31 * SLICE)  # no device figure (emu): the wall clock is charged
+    assert (a.device_ns, a.wall_ns) == (SLICE // 4 + 2 * SLICE, 4 * SLICE)
+
+
+def test_disagreement_is_the_difference_of_the_two_shares_in_points() -> None:
+    rows = [{"device_ns": 30, "wall_ns": 50}, {"device_ns": 70, "wall_ns": 50}]
+    disagreement(rows)
+    assert [r["disagree_pp"] for r in rows] == [-20.0, 20.0]
+    same = [{"device_ns": 5, "wall_ns": 5}, {"device_ns": 0, "wall_ns": 0}]
+    disagreement(same)
+    assert [r["disagree_pp"] for r in same] == [0.0, 0.0]

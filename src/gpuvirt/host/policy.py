@@ -43,7 +43,8 @@ class Account:
     has_guest: bool = False
     faulted: bool = False
     pending: int = 0  # launches queued and not completed, as last read
-    device_ns: int = 0
+    device_ns: int = 0  # charged: the device's own figure where it has one (end_slice)
+    wall_ns: int = 0  # the host's wall-clock view of the same slices
     vtime: float = 0.0
     debt_ns: int = 0
     run_start: int = 0
@@ -160,11 +161,18 @@ class Rules:
         a.slice_ns = max(self.slice_ns - a.debt_ns, self.slice_ns // 2)
         a.debt_ns = 0
 
-    def end_slice(self, a: Account, now: int) -> None:
-        ran = max(0, now - a.run_start)
+    def end_slice(self, a: Account, now: int, device_ran: int | None = None) -> None:
+        """Charge the slice: `device_ran` is the device's own figure for it (None: the
+        device's time is the wall clock), bounded by the slice's wall time, since the
+        engine writes it. A VF is never charged more than it held the device; one that
+        reports less is charged less, which `wall_ns` beside it (and the snapshot's
+        `disagree_pp`) shows. Overruns are judged on wall time."""
+        wall = max(0, now - a.run_start)
+        ran = wall if device_ran is None else min(max(0, device_ran), wall)
         a.device_ns += ran
+        a.wall_ns += wall
         a.vtime += ran / a.weight
-        a.debt_ns = max(0, ran - a.slice_ns)
+        a.debt_ns = max(0, wall - a.slice_ns)
         if a.next_weight is not None:
             a.weight, a.next_weight = a.next_weight, None
 

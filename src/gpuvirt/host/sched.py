@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -126,6 +126,7 @@ class Scheduler:
             cur = self.current
             vfs = {e.vf: e.row(now, e is cur) for e in self.entries.values()}
             watching = self._w.describe()
+        disagreement(vfs.values())
         return {
             "policy": str(self.policy), **self.stats.counters(now),
             "current": cur.vf if cur else None, "vfs": vfs, "watching": watching,
@@ -358,12 +359,15 @@ class Scheduler:
 
     def _begin_slice(self, e: Entry, now: int) -> None:
         e.ref_mono, e.ref_dev = now, e.device_ns
+        e.busy_ref = e.engine.busy_ns()
         self.rules.begin_slice(e, now)
         e.idle_wakes = 0
         self._w.idle(e)
 
     def _end_slice(self, e: Entry, now: int) -> None:
-        self.rules.end_slice(e, now)
+        busy = e.engine.busy_ns()
+        ran = None if busy is None or e.busy_ref is None else busy - e.busy_ref
+        self.rules.end_slice(e, now, ran)
         self._check_kernel(e, now, running=False)
 
     def _check_kernel(self, e: Entry, now: int, running: bool = True) -> None:
@@ -458,3 +462,13 @@ class Scheduler:
 
 
 _DEFERRED = object()
+
+
+def disagreement(rows: Iterable[dict[str, Any]]) -> None:
+    """Each row's `disagree_pp`: its share of the device time charged minus its share of
+    the wall-clock view, in percentage points (0 where the device's time is the wall's)."""
+    rows = list(rows)
+    dev = sum(r["device_ns"] for r in rows) or 1
+    wall = sum(r["wall_ns"] for r in rows) or 1
+    for r in rows:
+        r["disagree_pp"] = round(100 * (r["device_ns"] / dev - r["wall_ns"] / wall), 3)

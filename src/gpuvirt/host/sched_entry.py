@@ -30,6 +30,7 @@ class Entry(Account):
     kernel_done: int = -1  # COMPLETED when the running kernel was first seen
     switches_in: int = 0
     idle_wakes: int = 0
+    busy_ref: int | None = None  # the engine's busy_ns() when its slice began
 
     def read_pending(self) -> int:
         """The launches queued and not completed, bounded (the counters are untrusted)."""
@@ -70,6 +71,7 @@ class Entry(Account):
         st = self.engine.status
         return {
             "device_ns": self.device_now(now, running),
+            "wall_ns": self.wall_ns + (now - self.run_start if running else 0),
             "switches_in": self.switches_in,
             "running": running,
             "weight": self.weight,
