@@ -93,6 +93,32 @@ def test_pending_launches_fail_with_vf_reset_error(make_host: MakeHost) -> None:
     gpu.close()
 
 
+def test_a_reset_is_a_reset_even_when_the_engines_end_comes_first(make_host: MakeHost) -> None:
+    """The host waits only ready_to_reset_wait (10 ms) for READY_TO_RESET and then kills
+    the engine; a guest whose mailbox thread was not scheduled in that time (a loaded
+    machine: CI's chaos run) read the channel's end first and answered DetachedError
+    for a reset. Here the mailbox thread is held at the notice (it needs the client's
+    state lock to fail the pending work) until the FLR is over: the channel's end is
+    there, and the launch still fails with VFResetError once the notice is read."""
+    from gpuvirt.bench.workers import hang
+
+    hp = make_host()
+    gpu = gpuvirt.attach(vf=1, socket=hp.socket, token=hp.token(1))
+    fut = gpu.launch(hang)
+    with gpu._state_lock:  # the mailbox thread is held where it handles the notice
+        done = hp.admin.vf(1, "reset")  # returns once the FLR is over: the engine is gone
+        assert done["flr_count"] == 1
+        # Before the fix: DetachedError("the VF's engine closed the channel") at once.
+        # Now the engine's end waits for the mailbox's word, which cannot come yet.
+        with pytest.raises(TimeoutError):
+            fut.result(0.5)
+    with pytest.raises(gpuvirt.VFResetError, match="reset"):
+        fut.result(30)
+    gpu.wait_ready()
+    assert gpu.launch(lambda xp: "alive").result(10) == "alive"
+    gpu.close()
+
+
 def _frame(s: socket.socket) -> tuple[Frame, list[int]]:
     import array
 

@@ -283,7 +283,9 @@ class Gpu:
                 )
             self.info = info
             self._allocator = Allocator.for_fb(info.fb_size)
-            self._queue = CommandQueue(socket.socket(fileno=channel), doorbell, self._poll_ns)
+            self._queue = CommandQueue(
+                socket.socket(fileno=channel), doorbell, self._poll_ns, told_by_mailbox=True
+            )
             if info.feature_flags & FEATURE_FB_MAPPED:
                 self._fb = MappedFB(self._mem, info.fb_size)
             else:  # the FB is device memory (cuda): data goes through the staging area

@@ -10,7 +10,13 @@ gave it), which is how the scheduler learns this VF has work.
 
 When the VF is reset, the mailbox thread calls `fail_all`: every pending
 future gets VFResetError and the channel is shut down, which also wakes a
-thread blocked reading it.
+thread blocked reading it. The host tells the guest of a reset before it kills
+the engine, but it waits for READY_TO_RESET only ready_to_reset_wait (10 ms), so
+on a loaded machine the engine's end can reach this channel before the mailbox
+thread has read that notice: a queue of an attached guest (`told_by_mailbox`)
+therefore takes the channel's end as "ask the mailbox" and waits for its verdict
+(VFResetError for a reset, DetachedError when the host or the guest went)
+instead of answering DetachedError itself.
 """
 
 from __future__ import annotations
@@ -111,9 +117,17 @@ class LaunchFuture(Future[Any]):
 
 class CommandQueue:
     def __init__(
-        self, channel: socket.socket, doorbell: int, poll_ns: int = DEFAULT_POLL_US * 1000
+        self,
+        channel: socket.socket,
+        doorbell: int,
+        poll_ns: int = DEFAULT_POLL_US * 1000,
+        told_by_mailbox: bool = False,
     ) -> None:
         self.channel = channel
+        # Set once fail_all has settled every pending future: with told_by_mailbox, the
+        # mailbox thread's call (every end of an attached guest's VF passes through it).
+        self._told_by_mailbox = told_by_mailbox
+        self._failed = threading.Event()
         channel.setblocking(True)  # see RECV_TICK_S; the fd may come non-blocking
         self.doorbell = doorbell
         self.pending: dict[int, LaunchFuture] = {}
@@ -161,6 +175,8 @@ class CommandQueue:
         try:
             self.channel.send(data)
         except OSError as e:
+            if self._told_by_mailbox:
+                self._failed.wait()  # as in _pump_one: the mailbox says why it is gone
             self._check()
             raise DetachedError(f"command channel to the engine is gone: {e}") from None
 
@@ -192,9 +208,14 @@ class CommandQueue:
             return  # the tick passed; wait() checks its deadline
         except OSError as e:
             n = 0
-            if self._broken is None:
+            if self._broken is None and not self._told_by_mailbox:
                 self._broken = DetachedError(f"command channel to the engine failed: {e}")
         if not n:
+            if self._told_by_mailbox:
+                # The engine is gone; why (a reset, the host's end) is the mailbox's to say.
+                # Its fail_all settles the futures; wait() keeps the caller's deadline.
+                self._failed.wait(timeout)
+                return
             self.fail_all(self._broken or DetachedError("the VF's engine closed the channel"))
             return
         self._take(n)
@@ -269,6 +290,7 @@ class CommandQueue:
             fut = self.pending.pop(seq, None)
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
+        self._failed.set()
         with contextlib.suppress(OSError):
             self.channel.shutdown(socket.SHUT_RDWR)
 
