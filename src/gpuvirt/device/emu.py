@@ -166,7 +166,10 @@ class EmuEngine(ProcessEngine):
             return False  # gone: the exit is reported as such
         if any(m & _SIGSTOP_BIT for m in pending):
             return False
-        return self._proc.poll_stopped() is None
+        # The thread that dequeues a stop enters TASK_STOPPED under the same lock, while
+        # its siblings may still be running toward their part of the group stop: so any
+        # stopped thread means the stop is under way (a SIGCONT would have woken them all).
+        return not any(_task_state(self.pid, t) in "tT" for t in _tasks(self.pid))
 
     def _unboost(self) -> None:
         if self._boosted:
@@ -199,6 +202,15 @@ def _tasks(pid: int) -> list[int]:
         return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except FileNotFoundError:
         return [pid]  # gone: the affinity call says so
+
+
+def _task_state(pid: int, tid: int) -> str:
+    """One thread's state letter from /proc (X once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 def _set_policy(pid: int, policy: int, priority: int) -> bool:
