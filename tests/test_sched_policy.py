@@ -190,9 +190,14 @@ def test_a_slice_is_charged_the_devices_figure_bounded_by_its_wall_time() -> Non
 
 
 def test_disagreement_is_the_difference_of_the_two_shares_in_points() -> None:
-    rows = [{"device_ns": 30, "wall_ns": 50}, {"device_ns": 70, "wall_ns": 50}]
+    clock = {"device_clock": True}
+    rows = [{"device_ns": 30, "wall_ns": 50, **clock}, {"device_ns": 70, "wall_ns": 50, **clock}]
     disagreement(rows)
     assert [r["disagree_pp"] for r in rows] == [-20.0, 20.0]
-    same = [{"device_ns": 5, "wall_ns": 5}, {"device_ns": 0, "wall_ns": 0}]
+    same = [{"device_ns": 5, "wall_ns": 5, **clock}, {"device_ns": 0, "wall_ns": 0, **clock}]
     disagreement(same)
     assert [r["disagree_pp"] for r in same] == [0.0, 0.0]
+    # an engine without a clock of its own (emu) has nothing to disagree with
+    emu = [{"device_ns": 5, "wall_ns": 5, "device_clock": False}]
+    disagreement(emu)
+    assert emu[0]["disagree_pp"] is None

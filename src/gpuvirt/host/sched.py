@@ -466,9 +466,11 @@ _DEFERRED = object()
 
 def disagreement(rows: Iterable[dict[str, Any]]) -> None:
     """Each row's `disagree_pp`: its share of the device time charged minus its share of
-    the wall-clock view, in percentage points (0 where the device's time is the wall's)."""
+    the wall-clock view, in percentage points; None for a VF whose engine has no clock of
+    its own (emu: the device's time is the wall's, there is nothing to disagree)."""
     rows = list(rows)
     dev = sum(r["device_ns"] for r in rows) or 1
     wall = sum(r["wall_ns"] for r in rows) or 1
     for r in rows:
-        r["disagree_pp"] = round(100 * (r["device_ns"] / dev - r["wall_ns"] / wall), 3)
+        gap = 100 * (r["device_ns"] / dev - r["wall_ns"] / wall)
+        r["disagree_pp"] = round(gap, 3) if r["device_clock"] else None

@@ -72,6 +72,7 @@ class Entry(Account):
         return {
             "device_ns": self.device_now(now, running),
             "wall_ns": self.wall_ns + (now - self.run_start if running else 0),
+            "device_clock": self.engine.busy_ns() is not None,
             "switches_in": self.switches_in,
             "running": running,
             "weight": self.weight,
