@@ -44,6 +44,7 @@ from gpuvirt.host.process import HostProcess
 JOB_TIMEOUT_S = 1.0
 CMD_TIMEOUT_MS = 500
 RESETS = 60  # more FLRs of VF0 per round: the slices' phase noise falls as 1/sqrt(RESETS)
+QUICK_RESETS = 6  # --quick (tests, gpu-check): enough FLRs per phase to judge every neighbour
 # Apart by this much: the spare engine an FLR adopts is started after the previous FLR
 # and needs time to be ready; back to back, every FLR would start an engine cold.
 RESET_GAP_S = 0.5
@@ -52,7 +53,7 @@ NATIVE_S = 1.0  # each window of the native baseline (cuda)
 
 def run(quick: bool = False, backend: str = "emu") -> Result:
     rounds = MIN_ROUNDS
-    resets = 10 if quick else RESETS
+    resets = QUICK_RESETS if quick else RESETS
     recover, guest_ms, steps = [], [], []
     each_sched: list[float] = []
     idle_pct: list[float] = []
