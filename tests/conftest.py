@@ -6,12 +6,15 @@ through the admin endpoint), never on a fixed sleep.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from gpuvirt.bench.common import host_config
+from gpuvirt.device.cuda import GpuInfo, probe_gpu
+from gpuvirt.errors import DeviceError
 from gpuvirt.host.process import HostProcess
 from helpers import MakeHost
 
@@ -30,3 +33,15 @@ def make_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MakeHost]:
     yield make
     for hp in started:
         hp.stop()
+
+
+@pytest.fixture(scope="module")
+def gpu_info() -> GpuInfo:
+    """The GPU the cuda tests run on; they skip without one, unless GPUVIRT_REQUIRE_CUDA=1
+    (gpu-check) makes its absence a failure."""
+    try:
+        return probe_gpu()
+    except DeviceError as e:
+        if os.environ.get("GPUVIRT_REQUIRE_CUDA") == "1":
+            pytest.fail(f"GPUVIRT_REQUIRE_CUDA=1 but: {e}")
+        pytest.skip(str(e))

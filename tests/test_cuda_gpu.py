@@ -22,8 +22,8 @@ import pytest
 
 import gpuvirt
 from gpuvirt.bench.common import scratch_host
-from gpuvirt.device.cuda import GpuInfo, probe_gpu
-from gpuvirt.errors import DeviceError, GpuvirtError, KernelError, VFResetError
+from gpuvirt.device.cuda import GpuInfo
+from gpuvirt.errors import GpuvirtError, KernelError, VFResetError
 from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_STAGING, RESERVED_SIZE
 from helpers import wait_event, wait_until
 
@@ -41,16 +41,6 @@ CUDA_HOST = {
     "sriov": {"vf_num": 2},
     "scheduler": {"policy": "liquid", "cmd_timeout_ms": 500, "job_timeout_s": 3},
 }
-
-
-@pytest.fixture(scope="module")
-def gpu_info() -> GpuInfo:
-    try:
-        return probe_gpu()
-    except DeviceError as e:
-        if os.environ.get("GPUVIRT_REQUIRE_CUDA") == "1":
-            pytest.fail(f"GPUVIRT_REQUIRE_CUDA=1 but: {e}")
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

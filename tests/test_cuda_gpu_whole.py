@@ -21,21 +21,10 @@ import pytest
 
 import gpuvirt
 from gpuvirt.bench.common import SANDBOX_ENV
-from gpuvirt.device.cuda import GpuInfo, probe_gpu
-from gpuvirt.errors import DeviceError
+from gpuvirt.device.cuda import GpuInfo
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def gpu_info() -> GpuInfo:
-    try:
-        return probe_gpu()
-    except DeviceError as e:
-        if os.environ.get("GPUVIRT_REQUIRE_CUDA") == "1":
-            pytest.fail(f"GPUVIRT_REQUIRE_CUDA=1 but: {e}")
-        pytest.skip(str(e))
 
 
 def _scale(xp: Any, a: Any, factor: float) -> str:
