@@ -1,15 +1,21 @@
-"""Ways to wait on a real host: always on something it reports, never a fixed sleep."""
+"""Ways to wait on a real host: always on something it reports, never a fixed sleep.
+And the pieces tests set up the same way: a raw guest, a cooperative engine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gpuvirt.device.base import EngineSpec, WSCommand
+from gpuvirt.device.cuda import APERTURE_SIZE, CoopEngine
+from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.sandbox.bwrap import interpreter_paths
+from gpuvirt.guest.queue import CommandQueue
 from gpuvirt.host.process import HostProcess
 from gpuvirt.protocol.mailbox import FRAME_SIZE, Attach, Frame, GuestMsg, HostMsg
 
@@ -109,3 +115,38 @@ def bound_under_tmp() -> list[str]:
     """What an empty /tmp of a sandbox or container holds when the checkout or venv
     lives under /tmp (a CI clone): the mount points of its read-only binds."""
     return sorted({Path(p).parts[2] for p in interpreter_paths() if Path(p).parts[1:2] == ("tmp",)})
+
+
+@contextlib.contextmanager
+def coop_engine(
+    *,
+    backend: str = "emu",
+    fb_size: int = 4 << 20,
+    init_timeout: float = 30,
+    vf: int = 0,
+    sandbox: Sandbox | None = None,
+) -> Iterator[tuple[CoopEngine, CommandQueue]]:
+    """A cooperative engine (device/cuda.py's) started, running, with a guest's queue
+    attached; after, the queue closed, the engine killed (and checked gone), then its
+    memfd and the sandbox given (which it takes over) closed.
+
+    backend "emu": over an emu FB of `fb_size` bytes, which is how the cooperative
+    path runs without a GPU. "cuda": on the GPU, where the memfd is the VF's aperture
+    (as the cuda backend's create_fb makes it) and the FB is device memory."""
+    with contextlib.ExitStack() as stack:
+        if sandbox is not None:
+            stack.callback(sandbox.close)
+        fd = os.memfd_create(f"test-coop-{backend}", os.MFD_CLOEXEC)
+        stack.callback(os.close, fd)
+        os.ftruncate(fd, APERTURE_SIZE if backend == "cuda" else fb_size)
+        engine = CoopEngine(EngineSpec(vf, fb_size), fd, backend, sandbox=sandbox)
+        stack.callback(engine.kill)
+        engine.command(WSCommand.INIT_GPU, init_timeout)
+        engine.command(WSCommand.RUN_GPU, 10)
+        guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        engine.attach_guest(engine_end.fileno())
+        engine_end.close()
+        queue = CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+        stack.callback(queue.close)
+        yield engine, queue
+    assert not os.path.exists(f"/proc/{engine.pid}")

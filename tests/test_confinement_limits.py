@@ -3,23 +3,18 @@ take, and that its VF serves the next tenant after it."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import gpuvirt
 from confine_env import CANARY, hostile_scene, unique_uid_base
-from gpuvirt.device.base import EngineSpec, WSCommand
-from gpuvirt.device.cuda import CoopEngine
 from gpuvirt.device.sandbox import Sandbox, Settings, cgroup
 from gpuvirt.device.sandbox.policy import cgroup_findings, nproc, probe
 from gpuvirt.errors import GpuvirtError
-from gpuvirt.guest.queue import CommandQueue, kernel
-from helpers import MakeHost, last_seq, wait_event
+from gpuvirt.guest.queue import kernel
+from helpers import MakeHost, coop_engine, last_seq, wait_event
 from hostile import k_allocate, k_identity, k_threads
 
 pytestmark = pytest.mark.timeout(180)
@@ -74,35 +69,11 @@ def test_six_gib_is_refused_and_only_the_attacker_pays(make_host: MakeHost) -> N
         assert gpu.launch(lambda xp: 5).result(30) == 5
 
 
-@contextlib.contextmanager
-def coop_engine(sandbox: Sandbox, vf: int) -> Iterator[tuple[CoopEngine, CommandQueue]]:
-    """The cooperative engine (cuda's, here over an emu FB) started confined, running,
-    with a guest's queue attached; killed (and checked gone) after."""
-    fb = os.memfd_create("test-coop-fb", os.MFD_CLOEXEC)
-    os.ftruncate(fb, 4 << 20)
-    engine = CoopEngine(EngineSpec(vf, 4 << 20), fb, "emu", False, sandbox=sandbox)
-    try:
-        engine.command(WSCommand.INIT_GPU, 30)
-        engine.command(WSCommand.RUN_GPU, 10)
-        guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        engine.attach_guest(engine_end.fileno())
-        engine_end.close()
-        queue = CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
-        yield engine, queue
-        queue.close()
-    finally:
-        pid = engine.pid
-        engine.kill()
-        os.close(fb)
-        sandbox.close()
-    assert not os.path.exists(f"/proc/{pid}")
-
-
 def test_the_cuda_backends_engine_is_spawned_confined_too() -> None:
     """The cooperative engine goes through the same confined spawn: its kernels run as
     the VF's uid, filtered, and die with it."""
     sandbox = Sandbox.create(Settings(uid_base=unique_uid_base()))
-    with coop_engine(sandbox, 3) as (engine, queue):
+    with coop_engine(vf=3, sandbox=sandbox) as (engine, queue):
         me = queue.launch(kernel(k_identity), (), {}).result(30)
         assert me["uid"] == sandbox.settings.uid_base + 3
         assert me["seccomp"] == "2" and me["cap_eff"] == "0000000000000000"
@@ -121,7 +92,7 @@ def test_without_a_pids_controller_the_vfs_uid_is_capped_by_rlimit_nproc() -> No
     found = cgroup.Found(cgroup.Hierarchy(hier.version, bases), {"pids": "not offered (test)"})
     cgroup_findings(report, found, per_vf_uid=True, tasks=settings.tasks)
     assert "tasks" in report.active and report.missing == {}
-    with coop_engine(Sandbox(settings, report, found.hier), 2) as (engine, queue):
+    with coop_engine(vf=2, sandbox=Sandbox(settings, report, found.hier)) as (engine, queue):
         limits = Path(f"/proc/{engine.pid}/limits").read_text()
         assert f"Max processes {nproc(settings.tasks)} " in " ".join(limits.split()), limits
         got = queue.launch(kernel(k_threads), (3 * settings.tasks,), {}).result(60)

@@ -11,17 +11,16 @@ GPUVIRT_REQUIRE_CUDA=1 makes that a failure, as in test_cuda_gpu.py).
 from __future__ import annotations
 
 import os
-import socket
 import time
-from typing import Any
 
 import pytest
 
 from gpuvirt.bench.wait import wait_log
-from gpuvirt.device.base import EngineSpec, WSCommand
-from gpuvirt.device.cuda import APERTURE_SIZE, CoopEngine, probe_gpu
+from gpuvirt.device.base import WSCommand
+from gpuvirt.device.cuda import probe_gpu
 from gpuvirt.errors import DeviceError
-from gpuvirt.guest.queue import CommandQueue, kernel
+from gpuvirt.guest.queue import kernel
+from helpers import coop_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 KERNEL_S = 0.005
@@ -55,17 +54,7 @@ def test_wait_kernel_runs_its_own_time_and_logs_it_from_the_device(gpu: None) ->
 
 
 def test_busy_ns_holds_the_launches_device_time(gpu: None) -> None:
-    aperture = os.memfd_create("test-busy-aperture", os.MFD_CLOEXEC)
-    os.ftruncate(aperture, APERTURE_SIZE)
-    engine = CoopEngine(EngineSpec(0, FB_SIZE), aperture, "cuda")
-    queue: Any = None
-    try:
-        engine.command(WSCommand.INIT_GPU, 120)
-        engine.command(WSCommand.RUN_GPU, 5)
-        guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        engine.attach_guest(engine_end.fileno())
-        engine_end.close()
-        queue = CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+    with coop_engine(backend="cuda", fb_size=FB_SIZE, init_timeout=120) as (engine, queue):
         k = kernel(wait_log)
         queue.launch(k, (0.0001,), {}).result(timeout=120)  # compile, calibrate
         engine.command(WSCommand.IDLE_GPU, 5)
@@ -81,8 +70,3 @@ def test_busy_ns_holds_the_launches_device_time(gpu: None) -> None:
         busy = engine.busy_ns() - before
         own = sum(log[-1][1] for log in logs)
         assert own <= busy <= wall
-    finally:
-        engine.kill()
-        if queue is not None:
-            queue.close()
-        os.close(aperture)

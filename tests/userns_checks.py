@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
-from gpuvirt.device.base import EngineSpec, WSCommand
-from gpuvirt.device.cuda import CoopEngine
 from gpuvirt.device.sandbox import Sandbox, Settings
-from gpuvirt.guest.queue import CommandQueue, kernel
+from gpuvirt.guest.queue import kernel
+from helpers import coop_engine
 from hostile import k_identity, k_read_files, k_signal, k_syscalls, k_threads, k_write_files
 
-VF, FB = 3, 4 << 20
+VF = 3
 
 
 def main() -> None:
@@ -27,16 +25,7 @@ def main() -> None:
     out: dict = {"host_euid": os.geteuid()}
     sandbox = Sandbox.create(Settings(uid_base=uid_base))  # "required": refuses if short
     out["report"] = sandbox.report.as_dict()
-    fb = os.memfd_create("userns-check-fb", os.MFD_CLOEXEC)
-    os.ftruncate(fb, FB)
-    engine = CoopEngine(EngineSpec(VF, FB), fb, "emu", False, sandbox=sandbox)
-    try:
-        engine.command(WSCommand.INIT_GPU, 60)
-        engine.command(WSCommand.RUN_GPU, 10)
-        guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        engine.attach_guest(engine_end.fileno())
-        engine_end.close()
-        queue = CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+    with coop_engine(vf=VF, init_timeout=60, sandbox=sandbox) as (engine, queue):
 
         def run(k, *args):  # type: ignore[no-untyped-def]
             return queue.launch(kernel(k), args, {}).result(60)
@@ -50,11 +39,6 @@ def main() -> None:
         out["write"] = run(k_write_files, [sys.prefix + "/planted.py", "/planted.py"])
         out["signal"] = run(k_signal, [os.getpid()])
         out["threads"] = run(k_threads, sandbox.settings.tasks + 50)
-        queue.close()
-    finally:
-        engine.kill()
-        os.close(fb)
-        sandbox.close()
     print(json.dumps(out))
 
 
