@@ -4,7 +4,7 @@
   so that with the default fb_total every engine's allocation fits;
 - the CuPy pool limit (cuda_executor.pool_limit), the result conversion
   (cuda_executor.map_arrays) on real namedtuples of numpy arrays, the probe's
-  result parsing (cuda.gpu_info) and the IDLE limit selection (base.command_limit);
+  result parsing (cuda.gpu_info) and the IDLE limit selection (base.SwitchLimits);
 - the spare engine (device/spare.py) on the cooperative path, for real over an emu FB.
 """
 
@@ -28,7 +28,7 @@ from gpuvirt.config import (
     HostConfig,
     config_from_dict,
 )
-from gpuvirt.device.base import EngineSpec, WSCommand, command_limit
+from gpuvirt.device.base import EngineSpec, SwitchLimits, WSCommand
 from gpuvirt.device.budget import (
     CONTEXT_ALIGN,
     SPARES,
@@ -197,9 +197,10 @@ def test_probe_failure_names_its_stage(stage: str, says: str) -> None:
 
 
 def test_idle_limit_applies_to_idle_of_cooperative_engines_only() -> None:
-    assert command_limit(WSCommand.IDLE_GPU, True, 0.5, 2.0) == 2.0
-    assert command_limit(WSCommand.RUN_GPU, True, 0.5, 2.0) == 0.5
-    assert command_limit(WSCommand.IDLE_GPU, False, 0.5, 2.0) == 0.5
+    limits = SwitchLimits(cmd_s=0.5, coop_idle_s=2.0)
+    assert limits.of(WSCommand.IDLE_GPU, cooperative=True) == 2.0
+    assert limits.of(WSCommand.RUN_GPU, cooperative=True) == 0.5
+    assert limits.of(WSCommand.IDLE_GPU, cooperative=False) == 0.5
 
 
 def test_probe_engine_snippet_opens_the_context_the_engines_open() -> None:

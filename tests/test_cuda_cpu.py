@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from gpuvirt.device import make_device
-from gpuvirt.device.base import CommandTimeout, EngineDied, EngineSpec, WSCommand
+from gpuvirt.device.base import CommandTimeout, EngineDied, EngineSpec, SwitchLimits, WSCommand
 from gpuvirt.device.cuda import (
     APERTURE_SIZE,
     INSTALL_HINT,
@@ -219,6 +219,31 @@ def test_idle_waits_for_the_running_kernel_to_end(rig: Rig) -> None:
     assert took > 0.2
     assert e.status[Word.CURRENT_SEQ] == 0
     assert fut.result(timeout=T) == "done"
+
+
+def _sleep_then_stamp(xp: Any, a: Any, seconds: float) -> None:
+    time.sleep(seconds)
+    a[0] = time.monotonic_ns()  # when the kernel ended, on the host's clock
+
+
+def test_switch_out_charges_a_cooperative_vf_until_its_kernel_ended(rig: Rig) -> None:
+    """A cooperative engine holds the device until its kernel ends: switch_out's
+    until_ns, the end of the VF's charged slice, is after that end; it cannot post."""
+    e = rig.engine
+    e.command(WSCommand.INIT_GPU, 30)
+    e.command(WSCommand.RUN_GPU, T)
+    q = rig.attach()
+    stamp = BufDesc(RESERVED_SIZE, (1,), "<i8")
+    fut = q.launch(kernel(_sleep_then_stamp), (stamp,), {"seconds": 0.2})
+    wait_until(lambda: e.status[Word.CURRENT_SEQ], T, "the kernel running")
+    out = e.switch_out(SwitchLimits(cmd_s=T, coop_idle_s=T), post=True)
+    assert fut.result(timeout=T) is None
+    ended = int(np.frombuffer(os.pread(rig.fb, 8, RESERVED_SIZE), "<i8")[0])
+    assert out.until_ns >= ended
+    assert not out.posted and e.last == WSCommand.SAVE_GPU_STATE
+    assert set(out.took_ns) == {"IDLE_GPU", "SAVE_GPU_STATE"}
+    assert set(e.switch_in(SwitchLimits(T, T))) == {"LOAD_GPU_STATE", "RUN_GPU"}
+    assert e.running
 
 
 def test_a_kernel_that_never_ends_is_a_command_timeout(rig: Rig) -> None:

@@ -150,3 +150,19 @@ def test_netgpu_reads_no_private_field_of_the_guest_library() -> None:
             if name in forbidden:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
     assert found == []
+
+
+def test_the_host_never_asks_which_kind_of_world_switch_an_engine_does() -> None:
+    """Preemptive (emu) and cooperative (cuda) engines differ only inside
+    Engine.switch_out (DESIGN.md, "Scheduling"): no host module reads the flags that
+    say which (`cooperative`, `can_post`), nor the world-switch words those backends
+    use (`ACK_SERIAL`, `CMD_SERIAL`, `CMD_CODE`, `NOTIFY_IDLE`)."""
+    import ast
+
+    flags = {"cooperative", "can_post", "ACK_SERIAL", "CMD_SERIAL", "CMD_CODE", "NOTIFY_IDLE"}
+    found = []
+    for path in sorted((ROOT / "src" / "gpuvirt" / "host").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in flags:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert found == []

@@ -14,8 +14,7 @@ from gpuvirt.defaults import IDLE_WAKES_MAX, MAX_QUEUED
 from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.device.status import Word
-from gpuvirt.host.policy import Policy
-from gpuvirt.host.sched import Scheduler
+from gpuvirt.host.sched import Policy, Scheduler
 from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)

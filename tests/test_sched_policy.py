@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from gpuvirt.defaults import REJOIN_NS
 from gpuvirt.errors import StateConflictError
-from gpuvirt.host.policy import WORK_CONSERVING, Account, Policy, Rules
-from gpuvirt.host.sched import disagreement
-from gpuvirt.host.sched_exclusive import FullAccess
+from gpuvirt.host.sched.entry import disagreement
+from gpuvirt.host.sched.fullaccess import Exclusive
+from gpuvirt.host.sched.policy import WORK_CONSERVING, Account, Policy, Rules
 
 SLICE = 1_000_000
 
@@ -152,12 +152,11 @@ def test_a_vf_back_after_a_long_idle_banks_no_credit_but_a_short_gap_keeps_its_l
 
 
 def test_fullaccess_is_answered_only_once_its_vf_runs_and_fails_if_the_vf_leaves() -> None:
-    full = FullAccess()
-    full.vf = 0
+    full = Exclusive()
     granted: Future[None] = Future()
     other: Future[None] = Future()
-    full.wait(0, granted)
-    full.wait(1, other)
+    full.grant(1, other)
+    full.grant(0, granted)  # supersedes VF1's grant, whose waiter is left waiting
     full.running(1)  # another VF running says nothing to VF0's waiter (nor VF1's: not granted)
     assert not granted.done() and not other.done()
     full.running(0)
@@ -169,6 +168,9 @@ def test_fullaccess_is_answered_only_once_its_vf_runs_and_fails_if_the_vf_leaves
     assert full.vf == 0  # VF1 leaving does not end VF0's grant
     full.left(0)
     assert full.vf is None
+    ended: Future[None] = Future()
+    full.grant(None, ended)  # the end of a grant is answered at once
+    assert ended.done() and full.vf is None
 
 
 def test_a_slice_is_charged_the_devices_figure_bounded_by_its_wall_time() -> None:

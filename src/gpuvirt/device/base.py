@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from gpuvirt.device.budget import EngineMemory
-from gpuvirt.device.status import StatusArea
+from gpuvirt.device.status import StatusArea, Word
 from gpuvirt.errors import DeviceError, StateError
 
 
@@ -56,18 +56,34 @@ _STEP: dict[WSCommand, str] = {
 }
 
 
-def command_limit(
-    cmd: WSCommand, cooperative: bool, cmd_timeout: float, coop_idle_timeout: float
-) -> float:
-    """How long a world-switch command may take before the VF counts as hung.
+@dataclass(frozen=True)
+class SwitchLimits:
+    """How long world-switch commands may take before the VF counts as hung."""
 
-    A cooperative engine (cuda) acknowledges IDLE only at a kernel boundary, so its IDLE
-    waits for the running kernel: that wait has its own limit, how far past its slice
-    a kernel may run. Everything else is cmd_timeout.
-    """
-    if cooperative and cmd == WSCommand.IDLE_GPU:
-        return coop_idle_timeout
-    return cmd_timeout
+    cmd_s: float  # any command
+    # A cooperative engine (cuda) acknowledges IDLE only at a kernel boundary, so its IDLE
+    # waits for the running kernel: how far past its slice a kernel may run.
+    coop_idle_s: float
+
+    def of(self, cmd: WSCommand, cooperative: bool) -> float:
+        return self.coop_idle_s if cooperative and cmd == WSCommand.IDLE_GPU else self.cmd_s
+
+
+@dataclass(frozen=True)
+class SwitchedOut:
+    """What switch_out tells the scheduler about the VF it took off the device."""
+
+    # CLOCK_MONOTONIC ns at which the VF stopped holding the device: its slice is charged
+    # up to here, the rest of the switch is overhead. A preemptive engine (emu) holds it
+    # until the stop is issued; a cooperative one until it acknowledged (its kernel ran on).
+    until_ns: int
+    # The engine's own device-time counter then (busy_ns()); None: the wall's time is the
+    # device's (emu).
+    busy_ns: int | None
+    # The stop was issued and is not confirmed yet: settle() confirms it, and every later
+    # command to the engine settles first.
+    posted: bool
+    took_ns: dict[str, int]  # per world-switch command, how long it took
 
 
 class CommandTimeout(DeviceError):
@@ -89,11 +105,13 @@ class EngineSpec:
 class Engine(abc.ABC):
     """One VF's executor. Subclasses implement the _do_* steps; ordering is enforced here."""
 
-    # Cooperative engines stop at kernel boundaries: the wait for IDLE's acknowledgement
-    # is the outgoing VF's own time (its kernel is still running), not switch overhead.
+    # The two kinds of world switch differ only inside switch_out(), which the host calls;
+    # it never reads these. Cooperative engines stop at kernel boundaries: the wait for
+    # IDLE's acknowledgement is the outgoing VF's own time (its kernel is still running),
+    # not switch overhead, and has its own limit.
     cooperative = False
-    # IDLE may be posted (post_idle): issued, with its stop confirmed later. Only a backend
-    # whose engine cannot execute while the thread that posts runs says so (emu).
+    # IDLE may be posted: issued, with its stop confirmed later. Only a backend whose
+    # engines cannot execute before the stop has landed says so (emu: device/emu.py).
     can_post = False
 
     def __init__(self, spec: EngineSpec, status: StatusArea) -> None:
@@ -116,23 +134,42 @@ class Engine(abc.ABC):
         self.last = cmd
         return time.monotonic() - t0
 
-    def post_idle(self, timeout: float) -> float:
-        """IDLE and SAVE without waiting for the stop to land; return the time to issue.
+    def switch_out(self, limits: SwitchLimits, post: bool = False) -> SwitchedOut:
+        """IDLE then SAVE: take the VF off the device.
 
-        settle() confirms the stop, and every later command settles first. The stop
-        keeps its deadline meanwhile: the watchdog kills an engine that overruns it. A
-        backend may wait for the stop all the same (emu: see EmuEngine._post_idle).
+        post: the caller hands the device to another VF at once and confirms this stop
+        later (settle()); a backend that cannot post (can_post) waits for it here. A
+        posted stop keeps its deadline meanwhile: the watchdog kills an engine that
+        overruns it. A backend may wait for it all the same (emu: EmuEngine._post_idle).
         """
-        assert self.can_post, "post_idle on a backend that cannot post"
-        self._check_order(WSCommand.IDLE_GPU)
-        t0 = time.monotonic()
-        self.deadline, self.limit = t0 + timeout, timeout
-        landed = self._post_idle()
-        self.posted = not landed
-        if landed:
-            self.deadline = None
-        self.last = WSCommand.SAVE_GPU_STATE  # SAVE copies nothing on a backend that posts
-        return time.monotonic() - t0
+        t0 = time.monotonic_ns()
+        if post and self.can_post:
+            self._check_order(WSCommand.IDLE_GPU)
+            self.settle()
+            self.deadline, self.limit = t0 / 1e9 + limits.cmd_s, limits.cmd_s
+            self.posted = not self._post_idle()
+            if not self.posted:
+                self.deadline = None
+            self.last = WSCommand.SAVE_GPU_STATE  # SAVE copies nothing on a backend that posts
+            took = {WSCommand.IDLE_GPU.name: time.monotonic_ns() - t0}
+            return SwitchedOut(t0, self.busy_ns(), self.posted, took)
+        idle = self._timed(WSCommand.IDLE_GPU, limits)
+        until = t0 + idle if self.cooperative else t0
+        busy = self.busy_ns()
+        save = self._timed(WSCommand.SAVE_GPU_STATE, limits)
+        took = {WSCommand.IDLE_GPU.name: idle, WSCommand.SAVE_GPU_STATE.name: save}
+        return SwitchedOut(until, busy, False, took)
+
+    def switch_in(self, limits: SwitchLimits) -> dict[str, int]:
+        """LOAD (after a SAVE) then RUN; how long each took, in ns."""
+        took = {}
+        if self.last == WSCommand.SAVE_GPU_STATE:
+            took[WSCommand.LOAD_GPU_STATE.name] = self._timed(WSCommand.LOAD_GPU_STATE, limits)
+        took[WSCommand.RUN_GPU.name] = self._timed(WSCommand.RUN_GPU, limits)
+        return took
+
+    def _timed(self, cmd: WSCommand, limits: SwitchLimits) -> int:
+        return int(self.command(cmd, limits.of(cmd, self.cooperative)) * 1e9)
 
     def settle(self, block: bool = True) -> bool:
         """Confirm a posted IDLE: True once the engine has stopped (at once if none is
@@ -157,6 +194,14 @@ class Engine(abc.ABC):
     @property
     def running(self) -> bool:
         return self.last == WSCommand.RUN_GPU
+
+    def notify_idle(self, on: bool) -> None:
+        """Ask the engine to signal idle_fd() when its queue drains, or stop asking."""
+        self.status[Word.NOTIFY_IDLE] = int(on)
+
+    @property
+    def notifies_idle(self) -> bool:
+        return bool(self.status[Word.NOTIFY_IDLE])
 
     def busy_ns(self) -> int | None:
         """Device time the engine's work has used so far, in ns, as the device measured it;
@@ -261,10 +306,20 @@ class Device(abc.ABC):
     """One GPU as the host sees it: FBs to carve and engines to run on them."""
 
     backend: str
-    # CPUs the device executes on, where that is the host's own (emu); the host keeps
-    # its own threads off them, the scheduler thread included (it runs beside them, so
-    # its work is no VF's device time). None: a real device.
+    # CPUs the device executes on, where that is the host's own (emu), and the others,
+    # where the host's own threads run (the scheduler thread included: beside the device,
+    # its work is no VF's device time). None: a real device, which takes no host CPU.
     exec_cpus: set[int] | None = None
+    host_cpus: set[int] | None = None
+
+    def keep_host_off(self) -> None:
+        """Move every thread of the calling process off the device's CPUs; threads it
+        starts later inherit that. Nothing to do where the device has its own."""
+        if not self.exec_cpus or not self.host_cpus:
+            return
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(task), self.host_cpus)
 
     @abc.abstractmethod
     def total_fb(self, vf_num: int) -> int | None:

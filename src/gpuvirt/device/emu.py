@@ -34,7 +34,7 @@ from gpuvirt.protocol.info import FEATURE_FB_MAPPED, FEATURE_NETGPU
 
 class EmuEngine(ProcessEngine):
     # Engines run only on the device's one CPU and cannot move (seccomp): a stop
-    # posted to one lands before the next engine's first instruction (host/sched_post.py).
+    # posted to one lands before the next engine's first instruction (host/sched/switch.py).
     can_post = True
 
     def __init__(
@@ -97,7 +97,7 @@ class EmuEngine(ProcessEngine):
     def _do_init(self, timeout: float) -> None:
         self._wait_stopped()
         # Started anywhere (engines start in parallel), run on the device's CPU, every
-        # thread: a posted IDLE (host/sched_post.py) relies on all engines sharing it.
+        # thread: a posted IDLE (host/sched/switch.py) relies on all engines sharing it.
         for tid in _tasks(self.pid):
             os.sched_setaffinity(tid, self._cpus)
         if self.after_init is not None:

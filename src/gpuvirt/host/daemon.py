@@ -30,10 +30,10 @@ from gpuvirt.host.confinement import sandbox_settings, secure_socket
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.infoblocks import InfoBlocks
 from gpuvirt.host.mailbox import Limits, MailboxServer
-from gpuvirt.host.policy import Policy
+from gpuvirt.host.priority import raise_priority
 from gpuvirt.host.reconfig import set_vf
 from gpuvirt.host.reset import Resetter
-from gpuvirt.host.sched import Scheduler, raise_priority
+from gpuvirt.host.sched import FullAccess, Policy, Scheduler
 from gpuvirt.host.status import StatusReport, flag_disagreements
 from gpuvirt.host.vfmgr import (
     ON_GUEST_GONE,
@@ -70,13 +70,16 @@ class Host:
         self.vfm = VFManager(
             [VF(p.index, p, load_or_create_token(p.token_file)) for p in plans],
             self.events,
-            {Action.RELEASE_FULLACCESS: self.release_fullaccess},
+            {Action.RELEASE_FULLACCESS: lambda vf: self.fullaccess.release(vf.index)},
         )
         sc = config.scheduler
         self.sched = Scheduler(
             Policy(sc.policy), sc.time_slice_ms, sc.cmd_timeout_ms, sc.job_timeout_s,
-            self._fault_from_sched, self.device.exec_cpus, sc.coop_idle_timeout_ms,
+            self._fault_from_sched, self.device.host_cpus, sc.coop_idle_timeout_ms,
         )  # fmt: skip
+        self.fullaccess = FullAccess(
+            self.sched.set_exclusive, sc.fullaccess_timeout_ms / 1000, self._fullaccess_expired
+        )
         self.lifecycle = asyncio.Lock()
         self.resetter = Resetter(self.vfm, self.events, self, config.reset, self.lifecycle)
         self.liveness = (C.LIVENESS_INTERVAL_S, C.LIVENESS_TIMEOUT_S)
@@ -88,10 +91,6 @@ class Host:
             self.events, self.device.feature_flags, config.scheduler.time_slice_ms
         )
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._grants: dict[int, int] = {}
-        # GIM grants full access to one VF at a time; the others queue here.
-        self._fullaccess = asyncio.Lock()
-        self._fullaccess_vf: int | None = None
         self.mailbox = MailboxServer(
             self, self.socket_path, Limits.of(config.host),
             lambda path: secure_socket(path, config.host),
@@ -132,26 +131,15 @@ class Host:
         await self.admin.start()
         self.report.admin_where = self.admin.where
         self.spawn(self.report.sample_shares())
-        self._keep_off_device()
+        # From now on the host's own work (its loop, its threads, the sandboxes it
+        # spawns) runs beside an emulated device, not on it: no VF's device time. Not
+        # before now: starting the VFs' engines may use every CPU, nothing runs yet.
+        self.device.keep_host_off()
         self.events.emit(
             Category.HOST, "ready",
             f"mailbox {self.socket_path}, admin {self.admin.where}, scheduler thread at "
             f"{self.sched.priority}, loop at {self.loop_priority}", None,
         )  # fmt: skip
-
-    def _keep_off_device(self) -> None:
-        """On emu the device's CPU is the emulated GPU's: from now on the host's own work
-        (its loop, its threads, the sandboxes it spawns) runs beside it, not on it, and
-        takes no device time from a VF. The scheduler thread moved itself beside it
-        when it started (host/sched.py). Not before now: starting the VFs' engines may
-        use every CPU, nothing runs yet."""
-        device = self.device.exec_cpus or set()
-        others = os.sched_getaffinity(0) - device
-        if not device or not others:
-            return
-        for task in os.listdir("/proc/self/task"):  # threads started later inherit it
-            with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                os.sched_setaffinity(int(task), others)
 
     async def serve_forever(self) -> None:
         assert self.loop is not None
@@ -329,42 +317,26 @@ class Host:
     async def grant_fullaccess(self, vf: VF) -> bool:
         """FULLACCESS: the device to this VF alone. False if the VF changed while queued."""
         conn = vf.conn
-        await self._fullaccess.acquire()
-        if not self.vfm.accepts(vf, E.GUEST_INIT) or vf.conn is not conn or conn is None:
-            self._fullaccess.release()
-            return False
-        self._fullaccess_vf = vf.index
-        self.vfm.send(vf, E.GUEST_INIT, "guest init")
-        grant = self._grants[vf.index] = self._grants.get(vf.index, 0) + 1
-        assert self.loop is not None
-        self.loop.call_later(
-            self.config.scheduler.fullaccess_timeout_ms / 1000,
-            lambda: self._fullaccess_expired(vf, grant),
-        )
-        try:
-            await asyncio.wrap_future(self.sched.set_exclusive(vf.index))
-        except StateConflictError:
-            return False  # reset while waiting; the reset released full access
-        return True
 
-    def release_fullaccess(self, vf: VF) -> None:
-        if self._fullaccess_vf == vf.index:
-            self._fullaccess_vf = None
-            self._fullaccess.release()
+        def admit() -> bool:
+            if not self.vfm.accepts(vf, E.GUEST_INIT) or vf.conn is not conn or conn is None:
+                return False
+            self.vfm.send(vf, E.GUEST_INIT, "guest init")
+            return True
 
-    def _fullaccess_expired(self, vf: VF, grant: int) -> None:
-        # Still waiting for the guest's REL_GPU_INIT_ACCESS, from this same grant.
-        if self.vfm.accepts(vf, E.GUEST_READY) and self._grants.get(vf.index) == grant:
+        return await self.fullaccess.grant(vf.index, admit)
+
+    def _fullaccess_expired(self, index: int) -> None:
+        vf = self.vfm[index]
+        if self.vfm.accepts(vf, E.GUEST_READY):  # still waiting for REL_GPU_INIT_ACCESS
             self.spawn(self.resetter.flr(vf, "fullaccess_timeout"))
 
     async def activate(self, vf: VF, doorbell: int) -> None:
         self.vfm.send(vf, E.GUEST_READY, "guest released init")
-        self._grants[vf.index] = self._grants.get(vf.index, 0) + 1
         try:
             await asyncio.wrap_future(self.sched.set_guest(vf.index, doorbell))
-            await asyncio.wrap_future(self.sched.set_exclusive(None))
-        finally:  # the next VF's init may start only once this one no longer runs alone
-            self.release_fullaccess(vf)
+        finally:
+            await self.fullaccess.end(vf.index)
         vf.vf2pf_bad, vf.untrusted, vf.vf2pf = 0, False, {}
         self.spawn(self.info.read_vf2pf(vf, vf.conn))
 

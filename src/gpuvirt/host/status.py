@@ -17,9 +17,9 @@ from gpuvirt.config import HostConfig
 from gpuvirt.defaults import DEVICE_DISAGREE_PP, SHARE_WINDOW
 from gpuvirt.device.base import Device
 from gpuvirt.device.sandbox.policy import Report
-from gpuvirt.host.policy import Policy
 from gpuvirt.host.reset import Guard
-from gpuvirt.host.sched import Scheduler
+from gpuvirt.host.sched.policy import Policy
+from gpuvirt.host.sched.scheduler import Scheduler
 from gpuvirt.host.vfmgr import GUEST_STATES, VF, VFEvent, VFManager, enabled
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpuvirt.defaults import MAX_QUEUED
 from gpuvirt.device.base import Engine
 from gpuvirt.device.status import Word
-from gpuvirt.host.policy import Account
+from gpuvirt.host.sched.policy import Account
 
 
 @dataclass(eq=False)
@@ -111,3 +112,15 @@ class SchedStats:
             "wakeups": self.wakeups,
             "errors": self.errors,
         }
+
+
+def disagreement(rows: Iterable[dict[str, Any]]) -> None:
+    """Each row's `disagree_pp`: its share of the device time charged minus its share of
+    the wall-clock view, in percentage points; None for a VF whose engine has no clock of
+    its own (emu: the device's time is the wall's, there is nothing to disagree)."""
+    rows = list(rows)
+    dev = sum(r["device_ns"] for r in rows) or 1
+    wall = sum(r["wall_ns"] for r in rows) or 1
+    for r in rows:
+        gap = 100 * (r["device_ns"] / dev - r["wall_ns"] / wall)
+        r["disagree_pp"] = round(gap, 3) if r["device_clock"] else None

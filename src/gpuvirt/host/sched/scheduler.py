@@ -4,16 +4,17 @@ Runs in its own thread with the monotonic clock, so mailbox or admin traffic
 on the asyncio loop never delays a switch. The loop talks to it only through
 `Scheduler` methods, which queue an op and ring the scheduler's wake eventfd;
 results come back as concurrent futures. What to run and when a slice ends is
-decided by host/policy.py from numbers this thread reads for it.
+decided by host/sched/policy.py from numbers this thread reads for it.
 
 A switch is IDLE(A) SAVE(A) LOAD(B) RUN(B) (device/base.py checks the order);
-on emu A's stop is posted and confirmed at the next wake-up (host/sched_post.py).
+how A comes off the device is the backend's business (Engine.switch_out: on emu
+its stop is posted and confirmed at the next wake-up; host/sched/switch.py).
 The thread runs beside the device's CPU, not on it, where there is another.
-Between switches the thread sleeps in epoll (host/watch.py) on its wake fd,
+Between switches the thread sleeps in epoll (host/sched/watch.py) on its wake fd,
 every engine's exit fd, the running engine's idle fd and, for the
 work-conserving policies, the doorbells of waiting VFs with no work yet.
 
-Guests and engines are untrusted (host/sched_entry.py bounds what they write):
+Guests and engines are untrusted (host/sched/entry.py bounds what they write):
 a VF's doorbell wakes the thread at most once between two of its slices, its
 engine's idle fd at most IDLE_WAKES_MAX times a slice. An exception on this
 thread faults the VF it was handling, or with none to blame resets the device.
@@ -26,20 +27,20 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from gpuvirt.defaults import ESCALATE_EVERY_NS, IDLE_WAKES_MAX
-from gpuvirt.device.base import Engine, WSCommand, command_limit
+from gpuvirt.device.base import Engine, SwitchLimits
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
-from gpuvirt.host.policy import Policy, Rules
 from gpuvirt.host.priority import raise_priority
-from gpuvirt.host.sched_entry import Entry, SchedStats
-from gpuvirt.host.sched_exclusive import FullAccess
-from gpuvirt.host.sched_post import PostedStops
-from gpuvirt.host.watch import Watches, drain
+from gpuvirt.host.sched.entry import Entry, SchedStats, disagreement
+from gpuvirt.host.sched.fullaccess import Exclusive
+from gpuvirt.host.sched.policy import Policy, Rules
+from gpuvirt.host.sched.switch import Switcher
+from gpuvirt.host.sched.watch import Watches, drain
 
 # (vf or None for the whole device, reason, detail); called on the scheduler thread
 FaultHandler = Callable[[int | None, str, str], None]
@@ -56,26 +57,26 @@ class Scheduler:
         cpus: set[int] | None = None,
         coop_idle_timeout_ms: float | None = None,
     ) -> None:
-        """coop_idle_timeout_ms: a cooperative engine's limit on IDLE (None: cmd_timeout)."""
+        """cpus: where this thread runs (None: anywhere): beside the device's own CPUs
+        (emu), so that its work is no VF's device time. coop_idle_timeout_ms: a
+        cooperative engine's limit on IDLE (None: cmd_timeout)."""
         self.policy = Policy(policy)
         self.slice_ns = int(time_slice_ms * 1e6)
         self.rules = Rules(self.policy, self.slice_ns)
-        self.cmd_timeout = cmd_timeout_ms / 1000
-        self.coop_idle_timeout = (
-            self.cmd_timeout if coop_idle_timeout_ms is None else coop_idle_timeout_ms / 1000
-        )
+        cmd_s = cmd_timeout_ms / 1000
+        coop_s = cmd_s if coop_idle_timeout_ms is None else coop_idle_timeout_ms / 1000
         self.job_timeout_ns = int(job_timeout_s * 1e9)
         self.on_fault = on_fault
         self.cpus = cpus
         self.entries: dict[int, Entry] = {}
         self.current: Entry | None = None
-        self.full = FullAccess()
+        self.full = Exclusive()
         self.stats = SchedStats()
-        self._ops: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
+        self._ops: deque[tuple[Callable[[Future[Any]], None], Future[Any]]] = deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._w = Watches(self.rules.work_conserving)
         self._w.add(self._wake, "wake", None)
-        self._posts = PostedStops(self.cmd_timeout, self.stats)
+        self._sw = Switcher(SwitchLimits(cmd_s, coop_s), self.stats)
         self._stopping = False
         self._repick = True
         self._slice_end = 0
@@ -117,7 +118,7 @@ class Scheduler:
 
     def set_exclusive(self, vf: int | None) -> Future[None]:
         """FULLACCESS: run only this VF; done once it runs alone. None ends it."""
-        return self._call(self._op_set_exclusive, vf)
+        return self._post(lambda fut: self.full.grant(vf, fut))
 
     def snapshot(self) -> dict[str, Any]:
         """Counters for status and metrics, safe from any thread."""
@@ -133,8 +134,13 @@ class Scheduler:
         }  # fmt: skip
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run fn(*args) on the scheduler thread; its result answers the future."""
+        return self._post(lambda fut: fut.set_result(fn(*args)))
+
+    def _post(self, op: Callable[[Future[Any]], None]) -> Future[Any]:
+        """Run op(fut) on the scheduler thread; op answers fut, now or later."""
         fut: Future[Any] = Future()
-        self._ops.append((fn, args, fut))
+        self._ops.append((op, fut))
         os.eventfd_write(self._wake, 1)
         return fut
 
@@ -145,10 +151,8 @@ class Scheduler:
         if self.cpus:
             # Beside the engines' CPU, not on it: this thread's work (two wake-ups a
             # switch once, now one) is then not device time, and a posted stop
-            # (host/sched_post.py) needs no wake-up of its own there.
-            self._posts.one_cpu = len(self.cpus) == 1
-            others = os.sched_getaffinity(0) - self.cpus
-            os.sched_setaffinity(0, others or self.cpus)
+            # (host/sched/switch.py) needs no wake-up of its own there.
+            os.sched_setaffinity(0, self.cpus)
         while not self._stopping:
             try:
                 self._step()
@@ -157,8 +161,8 @@ class Scheduler:
                     self._contain(exc)
 
     def _step(self) -> None:
-        if self._posts:
-            self._posts.settle_landed(self._idle_failed)
+        if self._sw:
+            self._sw.settle_landed(self._idle_failed)
         now = time.monotonic_ns()
         cur = self.current
         if cur is not None:
@@ -215,8 +219,7 @@ class Scheduler:
         for other in list(self.entries.values()):
             if other is not self.current and other.engine.running and other.engine.alive():
                 with contextlib.suppress(Exception):
-                    self._cmd(other, WSCommand.IDLE_GPU)
-                    self._cmd(other, WSCommand.SAVE_GPU_STATE)
+                    self._sw.out(other)
         if e is not None and not e.faulted:
             self._fault(e, "sched_error", detail)
             return
@@ -245,17 +248,13 @@ class Scheduler:
 
     def _run_ops(self) -> None:
         while self._ops:
-            fn, args, fut = self._ops.popleft()
+            op, fut = self._ops.popleft()
             self._repick = True
             try:
-                result = fn(*args)
+                op(fut)
             except Exception as e:  # a bug; hand it to the caller rather than kill the thread
-                fut.set_exception(e)
-            else:
-                if result is not _DEFERRED:
-                    fut.set_result(result)
-                else:
-                    self.full.wait(args[0], fut)
+                if not fut.done():
+                    fut.set_exception(e)
 
     def _pick(self, keep: Entry | None) -> Entry | None:
         conserving = self.rules.work_conserving
@@ -273,7 +272,7 @@ class Scheduler:
     def _yields(self, cur: Entry) -> bool:
         """Whether the running VF drained while others wait (its pending count was read,
         doorbell first, at this wake-up)."""
-        if not self.rules.work_conserving or not cur.engine.status[Word.NOTIFY_IDLE]:
+        if not self.rules.work_conserving or not cur.engine.notifies_idle:
             return False
         return self.rules.should_yield(cur, self.full.vf)
 
@@ -288,7 +287,7 @@ class Scheduler:
             return
         self._culprit = cur
         others = self.rules.others_waiting(cur, list(self.entries.values()), self.full.vf)
-        cur.engine.status[Word.NOTIFY_IDLE] = 1 if others else 0
+        cur.engine.notify_idle(others)
         if others:
             self._take_doorbell(cur)
             if cur.read_pending() == 0:
@@ -298,34 +297,23 @@ class Scheduler:
         if not e.faulted:
             self._fault(e, "idle_failed", detail)
 
-    def _cmd(self, e: Entry, cmd: WSCommand) -> None:
-        limit = command_limit(cmd, e.engine.cooperative, self.cmd_timeout, self.coop_idle_timeout)
-        took = e.engine.command(cmd, limit)
-        self.stats.commands_ns[cmd.name].append(int(took * 1e9))
-
     def _switch(self, nxt: Entry | None) -> None:
         """IDLE(cur) SAVE(cur) LOAD(nxt) RUN(nxt); bookkeeping only once nxt runs."""
-        t0 = time.monotonic_ns()
+        t0 = time.monotonic_ns()  # until cur's stop says otherwise, when it left
+        busy = None
         cur = self.current
         idle_error = run_error = None
         if cur is not None and (not cur.faulted or cur.engine.running):
             self._culprit = cur
             try:
-                if nxt is not None and self._posts.may_post(cur):
-                    self._posts.post(cur)
-                else:
-                    self._cmd(cur, WSCommand.IDLE_GPU)
-                    if cur.engine.cooperative:
-                        t0 = time.monotonic_ns()
-                    self._cmd(cur, WSCommand.SAVE_GPU_STATE)
+                out = self._sw.out(cur, post=nxt is not None)
+                t0, busy = out.until_ns, out.busy_ns
             except DeviceError as e:
                 idle_error = e
         if nxt is not None:
             self._culprit = nxt
             try:
-                if nxt.engine.last == WSCommand.SAVE_GPU_STATE:
-                    self._cmd(nxt, WSCommand.LOAD_GPU_STATE)
-                self._cmd(nxt, WSCommand.RUN_GPU)
+                self._sw.into(nxt)
             except DeviceError as e:
                 run_error = e
         t1 = time.monotonic_ns()
@@ -334,7 +322,7 @@ class Scheduler:
             self._culprit = cur
             self.current = None
             self._w.unidle(cur)
-            self._end_slice(cur, t0)
+            self._end_slice(cur, t0, busy)
             if idle_error is not None:
                 self._fault(cur, "idle_failed", str(idle_error))
             else:
@@ -364,8 +352,9 @@ class Scheduler:
         e.idle_wakes = 0
         self._w.idle(e)
 
-    def _end_slice(self, e: Entry, now: int) -> None:
-        busy = e.engine.busy_ns()
+    def _end_slice(self, e: Entry, now: int, busy: int | None = None) -> None:
+        """busy: the engine's device-time counter when it stopped (None: read it now)."""
+        busy = e.engine.busy_ns() if busy is None else busy
         ran = None if busy is None or e.busy_ref is None else busy - e.busy_ref
         self.rules.end_slice(e, now, ran)
         self._check_kernel(e, now, running=False)
@@ -389,7 +378,7 @@ class Scheduler:
                 self._w.unidle(e)
             with contextlib.suppress(Exception):
                 if e.engine.running and e.engine.alive():
-                    self._cmd(e, WSCommand.IDLE_GPU)
+                    self._sw.out(e)
             self.current = None
             self._idle_since = time.monotonic_ns()
         self.on_fault(e.vf, reason, detail)
@@ -416,8 +405,8 @@ class Scheduler:
                 self._switch(None)
             elif e.engine.running and e.engine.alive():
                 with contextlib.suppress(DeviceError):
-                    self._cmd(e, WSCommand.IDLE_GPU)
-            self._posts.settle(e)
+                    self._sw.out(e)
+            self._sw.settle(e)
         finally:  # whatever failed above, the VF leaves the schedule
             with self._w.lock:
                 self.entries.pop(vf, None)
@@ -448,29 +437,8 @@ class Scheduler:
         if e is not self.current:
             self._w.doorbell(e)
 
-    def _op_set_exclusive(self, vf: int | None) -> object:
-        self.full.vf = vf
-        if vf is None:
-            return None
-        return _DEFERRED
-
     def _op_stop(self) -> None:
         self._stopping = True
         if self.current is not None:
             self._switch(None)
-        self._posts.settle_all()
-
-
-_DEFERRED = object()
-
-
-def disagreement(rows: Iterable[dict[str, Any]]) -> None:
-    """Each row's `disagree_pp`: its share of the device time charged minus its share of
-    the wall-clock view, in percentage points; None for a VF whose engine has no clock of
-    its own (emu: the device's time is the wall's, there is nothing to disagree)."""
-    rows = list(rows)
-    dev = sum(r["device_ns"] for r in rows) or 1
-    wall = sum(r["wall_ns"] for r in rows) or 1
-    for r in rows:
-        gap = 100 * (r["device_ns"] / dev - r["wall_ns"] / wall)
-        r["disagree_pp"] = round(gap, 3) if r["device_clock"] else None
+        self._sw.settle_all()

@@ -13,8 +13,7 @@ import select
 import threading
 from typing import Any
 
-from gpuvirt.device.status import Word
-from gpuvirt.host.sched_entry import Entry
+from gpuvirt.host.sched.entry import Entry
 
 Data = tuple[str, Entry | None]  # what an fd wakes the thread for: (kind, VF)
 
@@ -61,7 +60,7 @@ class Watches:
     def unidle(self, e: Entry) -> None:
         if self.work_conserving:
             self.discard(e.engine.idle_fd())
-            e.engine.status[Word.NOTIFY_IDLE] = 0
+            e.engine.notify_idle(False)
 
     def doorbell(self, e: Entry) -> None:
         if self.work_conserving and e.doorbell is not None and not e.faulted:

@@ -1,6 +1,6 @@
 """Scheduling policies as pure code: who may run, who runs next, when a slice ends.
 
-No threads, clocks, fds or engines here: the scheduler thread (host/sched.py)
+No threads, clocks, fds or engines here: the scheduler thread (host/sched/scheduler.py)
 reads the engines' status words and the doorbells into each VF's `Account`
 and passes the time in; everything here decides from those numbers alone.
 
