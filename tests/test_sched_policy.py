@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuvirt.defaults import REJOIN_NS
+from gpuvirt.defaults import DEVICE_CHARGE_SLACK, REJOIN_NS
 from gpuvirt.errors import StateConflictError
 from gpuvirt.host.sched.entry import disagreement
 from gpuvirt.host.sched.fullaccess import Exclusive
@@ -176,19 +176,43 @@ def test_fullaccess_is_answered_only_once_its_vf_runs_and_fails_if_the_vf_leaves
 def test_a_slice_is_charged_the_devices_figure_bounded_by_its_wall_time() -> None:
     rules = Rules(Policy.WEIGHTED, SLICE)
     a = Account(0, 2.0, has_guest=True)
+    near = SLICE - SLICE // 50  # the device was busy 98 % of the slice: within the slack
     rules.begin_slice(a, 1_000)
-    rules.end_slice(a, 1_000 + SLICE, device_ran=SLICE // 4)  # the device was busy 1/4
-    assert (a.device_ns, a.wall_ns) == (SLICE // 4, SLICE)
-    assert a.vtime == SLICE // 4 / 2.0
+    rules.end_slice(a, 1_000 + SLICE, device_ran=near)
+    assert (a.device_ns, a.wall_ns) == (near, SLICE)
+    assert a.vtime == near / 2.0
     rules.begin_slice(a, 10 * SLICE)
-    rules.end_slice(a, 11 * SLICE, device_ran=5 * SLICE)  # a liar: never above the wall
-    assert (a.device_ns, a.wall_ns) == (SLICE // 4 + SLICE, 2 * SLICE)
-    rules.begin_slice(a, 20 * SLICE)
-    rules.end_slice(a, 21 * SLICE, device_ran=-7)  # nor below zero
-    assert a.device_ns == SLICE // 4 + SLICE
+    rules.end_slice(a, 11 * SLICE, device_ran=5 * SLICE)  # never above the wall
+    assert (a.device_ns, a.wall_ns) == (near + SLICE, 2 * SLICE)
+    floor = SLICE - int(SLICE * DEVICE_CHARGE_SLACK)
+    for low in (SLICE // 4, 0, -7):  # never further below it than the slack
+        rules.begin_slice(a, 20 * SLICE)
+        rules.end_slice(a, 21 * SLICE, device_ran=low)
+        assert a.device_ns == near + SLICE + floor
+        a.device_ns -= floor
     rules.begin_slice(a, 30 * SLICE)
     rules.end_slice(a, 31 * SLICE)  # no device figure (emu): the wall clock is charged
-    assert (a.device_ns, a.wall_ns) == (SLICE // 4 + 2 * SLICE, 4 * SLICE)
+    assert a.device_ns == near + 2 * SLICE
+
+
+def test_an_engine_that_reports_no_device_time_gains_its_vf_no_more_than_the_slack() -> None:
+    """The engine writes its own busy figure (it runs the tenant's code). One that says
+    its device did nothing must not take the device from an honest neighbour: equal
+    weights, both always busy, the liar holds at most 1 / (2 - slack) of the wall time.
+    Charged its figure unbounded below, it held all but the first slice."""
+    rules = Rules(Policy.WEIGHTED, SLICE)
+    honest = Account(0, 1.0, has_guest=True, pending=1)
+    liar = Account(1, 1.0, has_guest=True, pending=1)
+    table = {0: honest, 1: liar}
+    now, cur = 0, None
+    for _ in range(1000):
+        cur = rules.pick(table, cur, None, now, None)
+        assert cur is not None
+        rules.begin_slice(cur, now)
+        now += SLICE
+        rules.end_slice(cur, now, device_ran=0 if cur is liar else SLICE)
+    held = liar.wall_ns / (liar.wall_ns + honest.wall_ns)
+    assert held <= 1 / (2 - DEVICE_CHARGE_SLACK) + 1 / 1000
 
 
 def test_disagreement_is_the_difference_of_the_two_shares_in_points() -> None:

@@ -64,6 +64,11 @@ VF2PF_MAX_BAD = 5  # consecutive bad VF2PF reads before the VF is logged untrust
 # A VF's device time as the device measured it and as the host's wall clock saw it: a
 # gap over this (percentage points of the device) is reported (/status, vf list, metrics).
 DEVICE_DISAGREE_PP = 1.0
+# How far below its wall time a slice may be charged on the device's own figure. The
+# engine writes that figure and runs the tenant's code, so it may lie low: a liar gains
+# at most this fraction of its slices, and a VF whose device really idled longer within
+# its slices (launch-bound work, its own host-side gaps) is charged as on the wall.
+DEVICE_CHARGE_SLACK = 0.05
 ENGINE_START_TRIES = 3  # an OSError (EMFILE, fork failure) may clear; then the VF fails
 # The scheduler thread needs the GIL promptly when it wakes for a switch.
 SWITCH_INTERVAL_S = 0.0002

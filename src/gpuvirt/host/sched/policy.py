@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gpuvirt.defaults import REJOIN_NS
+from gpuvirt.defaults import DEVICE_CHARGE_SLACK, REJOIN_NS
 
 
 class Policy(StrEnum):
@@ -163,12 +163,14 @@ class Rules:
 
     def end_slice(self, a: Account, now: int, device_ran: int | None = None) -> None:
         """Charge the slice: `device_ran` is the device's own figure for it (None: the
-        device's time is the wall clock), bounded by the slice's wall time, since the
-        engine writes it. A VF is never charged more than it held the device; one that
-        reports less is charged less, which `wall_ns` beside it (and the snapshot's
-        `disagree_pp`) shows. Overruns are judged on wall time."""
+        device's time is the wall clock), bounded since the engine writes it: never more
+        than the slice's wall time, never less than DEVICE_CHARGE_SLACK below it, so an
+        engine that under-reports gains its VF next to nothing from its neighbours.
+        `wall_ns` beside it (and the snapshot's `disagree_pp`) shows the gap. Overruns
+        are judged on wall time."""
         wall = max(0, now - a.run_start)
-        ran = wall if device_ran is None else min(max(0, device_ran), wall)
+        floor = wall - int(wall * DEVICE_CHARGE_SLACK)
+        ran = wall if device_ran is None else min(max(floor, device_ran), wall)
         a.device_ns += ran
         a.wall_ns += wall
         a.vtime += ran / a.weight
