@@ -26,10 +26,11 @@ from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError, StateConflictError
+from gpuvirt.host.admission import Limits
 from gpuvirt.host.confinement import sandbox_settings, secure_socket
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.infoblocks import InfoBlocks
-from gpuvirt.host.mailbox import Limits, MailboxServer
+from gpuvirt.host.mailbox import MailboxServer
 from gpuvirt.host.priority import raise_priority
 from gpuvirt.host.reconfig import set_vf
 from gpuvirt.host.reset import Resetter

@@ -8,15 +8,14 @@ FAIL with DW1 = the id and the connection stays up; a known id in the wrong
 state gets FAIL(BAD_STATE, DW3 = the id). A closed connection is a fini. Which
 request each state answers is `MAILBOX` in host/vfmgr.py, beside the VF table.
 
-Limits per peer (DESIGN.md, "Untrusted inputs"): at most `max_pending_attach`
-connections may be waiting to attach, at most MAX_PENDING_ATTACH_PER_UID of them
-of one uid (so one uid's flood never takes another's slot), each for
-`attach_timeout`; one more is answered FAIL(TOO_MANY or TOO_MANY_UID); an attached
+Limits per peer (DESIGN.md, "Untrusted inputs"): how many connections may wait
+to attach, in all and per uid, is host/admission.py's, as are the refusals'
+events; here, each waits at most `attach_timeout` for its ATTACH; an attached
 guest's frames are read at most `max_frames_per_s` (beyond that the host stops
 reading, so the flood backs up in the peer's own socket); one guest-requested
-FLR at a time per VF; refusals and LOG_VF_ERROR reach the event log through a
-throttle. Requests that may wait (on FULLACCESS, on a reset) run one at a time
-in a worker per session while the reader goes on, so QUERY_ALIVE answers and
+FLR at a time per VF; LOG_VF_ERROR reaches the event log through a throttle.
+Requests that may wait (on FULLACCESS, on a reset) run one at a time in a
+worker per session while the reader goes on, so QUERY_ALIVE answers and
 READY_TO_RESET are seen however long a request waits.
 """
 
@@ -30,17 +29,15 @@ import itertools
 import os
 import secrets
 import socket
-import struct
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpuvirt.config import HostSection
 from gpuvirt.defaults import GUEST_EVENT_BURST as EVENT_BURST
 from gpuvirt.defaults import GUEST_EVENTS_PER_S as EVENTS_PER_S
 from gpuvirt.defaults import MAILBOX_QUEUED_REQUESTS as QUEUED_REQUESTS
-from gpuvirt.defaults import MAILBOX_READ_FRAMES, MAX_PENDING_ATTACH_PER_UID
+from gpuvirt.defaults import MAILBOX_READ_FRAMES
+from gpuvirt.host.admission import Admission, Limits, peer_cred
 from gpuvirt.host.events import Category, EventLog
 from gpuvirt.host.ratelimit import EventThrottle, TokenBucket
 from gpuvirt.host.vfmgr import ATTACH, VF, mailbox_refusal
@@ -80,17 +77,6 @@ class MailboxHost(Protocol):
     async def guest_gone(self, vf: VF) -> None: ...
 
 
-@dataclass(frozen=True)
-class Limits:
-    attach_timeout_s: float
-    max_pending_attach: int
-    max_frames_per_s: int
-
-    @classmethod
-    def of(cls, host: HostSection) -> Limits:
-        return cls(host.attach_timeout_ms / 1000, host.max_pending_attach, host.max_frames_per_s)
-
-
 class MailboxServer:
     """The mailbox socket: accepts connections within the limits and runs a Session each."""
 
@@ -102,9 +88,7 @@ class MailboxServer:
         self.path = path
         self.limits = limits
         self._secure = secure
-        self.pending = 0  # connections accepted and not yet attached (or refused)
-        self.pending_by_uid: dict[int, int] = {}
-        self.refusals = EventThrottle(EVENTS_PER_S, EVENT_BURST)
+        self.admission = Admission(limits, host.events)
         self._sock: socket.socket | None = None
 
     def listen(self) -> None:
@@ -132,50 +116,15 @@ class MailboxServer:
             conn, _ = await loop.sock_accept(srv)
             conn.setblocking(False)
             peer = peer_cred(conn)
-            uid = peer[1]
-            per_uid = min(MAX_PENDING_ATTACH_PER_UID, self.limits.max_pending_attach)
-            if self.pending >= self.limits.max_pending_attach:
-                self._refuse_excess(conn, peer, FailReason.TOO_MANY,
-                                    f"{self.pending} connections already waiting to attach "
-                                    f"(host.max_pending_attach = "
-                                    f"{self.limits.max_pending_attach})")  # fmt: skip
-            elif self.pending_by_uid.get(uid, 0) >= per_uid:
-                self._refuse_excess(conn, peer, FailReason.TOO_MANY_UID,
-                                    f"{per_uid} connections of uid {uid} already waiting to "
-                                    "attach (MAX_PENDING_ATTACH_PER_UID)")  # fmt: skip
-            else:
-                self.pending += 1
-                self.pending_by_uid[uid] = self.pending_by_uid.get(uid, 0) + 1
+            refusal = self.admission.admit(peer[1])
+            if refusal is None:
                 self.host.spawn(Session(self, conn, peer).run())
-
-    def attach_done(self, uid: int) -> None:
-        """A pending connection attached or was refused: its slots are free."""
-        self.pending -= 1
-        left = self.pending_by_uid.pop(uid) - 1
-        if left:
-            self.pending_by_uid[uid] = left
-
-    def _refuse_excess(
-        self, conn: socket.socket, peer: tuple[int, int], reason: FailReason, why: str
-    ) -> None:
-        with contextlib.suppress(OSError):
-            conn.send(fail(reason).encode())
-        conn.close()
-        self.refused(reason, why, None, peer)
-
-    def refused(
-        self, reason: FailReason, why: str, vf: int | None, peer: tuple[int, int] | None
-    ) -> None:
-        """One event per refusal, up to the throttle; beyond it they are counted."""
-        dropped = self.refusals.admit()
-        if dropped is None:
-            return
-        pid, uid = peer or (None, None)
-        who = f"pid {pid} uid {uid}" if peer else "a peer"
-        self.host.events.emit(
-            Category.MAILBOX, "attach.refused", f"ATTACH from {who} refused: {why}", vf,
-            reason=reason.name, pid=pid, uid=uid, suppressed=dropped,
-        )  # fmt: skip
+            else:  # no slot: FAIL with the reason at once, and closed
+                reason, why = refusal
+                with contextlib.suppress(OSError):
+                    conn.send(fail(reason).encode())
+                conn.close()
+                self.admission.refused(reason, why, None, peer)
 
 
 async def recv_some(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
@@ -195,14 +144,6 @@ async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: in
             break
         buf += chunk
     return bytes(buf)
-
-
-def peer_cred(sock: socket.socket) -> tuple[int, int]:
-    """The connected peer's pid and uid, as the kernel recorded them at connect."""
-    pid, uid, _gid = struct.unpack(
-        "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    )
-    return pid, uid
 
 
 class Session:
@@ -259,7 +200,7 @@ class Session:
             try:
                 attached = await self._attach(loop)
             finally:
-                self.server.attach_done(self.peer_uid)
+                self.server.admission.done(self.peer_uid)
             if attached:
                 await self._serve(loop)
         finally:
@@ -317,7 +258,7 @@ class Session:
         vf.guest_pid = vf.guest_uid = None
 
     def _refuse(self, reason: FailReason, why: str, vf: int | None) -> bool:
-        self.server.refused(reason, why, vf, (self.peer_pid, self.peer_uid))
+        self.server.admission.refused(reason, why, vf, (self.peer_pid, self.peer_uid))
         self.send(fail(reason))
         return False
 
