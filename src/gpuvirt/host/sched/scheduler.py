@@ -70,7 +70,7 @@ class Scheduler:
         self.cpus = cpus
         self.entries: dict[int, Entry] = {}
         self.current: Entry | None = None
-        self.full = Exclusive()
+        self.exclusive = Exclusive()
         self.stats = SchedStats()
         self._ops: deque[tuple[Callable[[Future[Any]], None], Future[Any]]] = deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -118,7 +118,7 @@ class Scheduler:
 
     def set_exclusive(self, vf: int | None) -> Future[None]:
         """FULLACCESS: run only this VF; done once it runs alone. None ends it."""
-        return self._post(lambda fut: self.full.grant(vf, fut))
+        return self._post(lambda fut: self.exclusive.grant(vf, fut))
 
     def snapshot(self) -> dict[str, Any]:
         """Counters for status and metrics, safe from any thread."""
@@ -178,7 +178,7 @@ class Scheduler:
             cur is None
             or now >= self._slice_end
             or self._yields(cur)
-            or self.rules.should_preempt(cur, list(self.entries.values()), self.full.vf, now)
+            or self.rules.should_preempt(cur, list(self.entries.values()), self.exclusive.vf, now)
         )
         if self._repick or ends:
             # An op (a VF added, removed, given a guest) changes who may run, but does
@@ -194,7 +194,7 @@ class Scheduler:
             if self.current is not None:
                 self._slice_end = self.current.run_start + self.current.slice_ns
             if self.current is not None:
-                self.full.running(self.current.vf)
+                self.exclusive.running(self.current.vf)
         self._arm_idle_notify()
         self._culprit = None
         timeout = None
@@ -265,7 +265,9 @@ class Scheduler:
                 self._take_doorbell(e)
                 e.read_pending()
         self._culprit = None
-        nxt = self.rules.pick(self.entries, self.current, self.full.vf, time.monotonic_ns(), keep)
+        nxt = self.rules.pick(
+            self.entries, self.current, self.exclusive.vf, time.monotonic_ns(), keep
+        )
         assert nxt is None or isinstance(nxt, Entry)
         return nxt
 
@@ -274,7 +276,7 @@ class Scheduler:
         doorbell first, at this wake-up)."""
         if not self.rules.work_conserving or not cur.engine.notifies_idle:
             return False
-        return self.rules.should_yield(cur, self.full.vf)
+        return self.rules.should_yield(cur, self.exclusive.vf)
 
     def _take_doorbell(self, e: Entry) -> None:
         if e.doorbell is not None:
@@ -286,7 +288,7 @@ class Scheduler:
         if cur is None or not self.rules.work_conserving:
             return
         self._culprit = cur
-        others = self.rules.others_waiting(cur, list(self.entries.values()), self.full.vf)
+        others = self.rules.others_waiting(cur, list(self.entries.values()), self.exclusive.vf)
         cur.engine.notify_idle(others)
         if others:
             self._take_doorbell(cur)
@@ -415,7 +417,7 @@ class Scheduler:
             self._w.undoorbell(e)
             self._w.discard(e.engine.exit_fd())
             self._w.discard(e.engine.idle_fd())
-            self.full.left(vf)
+            self.exclusive.left(vf)
 
     def _op_set_weight(self, vf: int, weight: float) -> None:
         e = self.entries.get(vf)
