@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpuvirt.device.base import EngineSpec, WSCommand
+from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.cuda import APERTURE_SIZE, CoopEngine
 from gpuvirt.device.sandbox import Sandbox
 from gpuvirt.device.sandbox.bwrap import interpreter_paths
@@ -117,6 +117,15 @@ def bound_under_tmp() -> list[str]:
     return sorted({Path(p).parts[2] for p in interpreter_paths() if Path(p).parts[1:2] == ("tmp",)})
 
 
+def guest_queue(engine: Engine) -> CommandQueue:
+    """A guest's command queue to `engine`, over a fresh channel (its previous guest's
+    dropped), as the host hands one to an attaching guest."""
+    guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    engine.attach_guest(engine_end.fileno())
+    engine_end.close()
+    return CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+
+
 @contextlib.contextmanager
 def coop_engine(
     *,
@@ -143,10 +152,7 @@ def coop_engine(
         stack.callback(engine.kill)
         engine.command(WSCommand.INIT_GPU, init_timeout)
         engine.command(WSCommand.RUN_GPU, 10)
-        guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        engine.attach_guest(engine_end.fileno())
-        engine_end.close()
-        queue = CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+        queue = guest_queue(engine)
         stack.callback(queue.close)
         yield engine, queue
     assert not os.path.exists(f"/proc/{engine.pid}")

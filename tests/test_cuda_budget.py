@@ -42,8 +42,9 @@ from gpuvirt.device.cuda_executor import map_arrays, pool_limit
 from gpuvirt.device.spare import ANY, SPARE, Spares
 from gpuvirt.device.status import Word
 from gpuvirt.errors import ConfigError, DeviceError
-from gpuvirt.guest.queue import CommandQueue, kernel
+from gpuvirt.guest.queue import kernel
 from gpuvirt.protocol.command import BufDesc
+from helpers import guest_queue
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -225,15 +226,6 @@ def _fill(xp: Any, a: Any, value: float) -> float:
     return float(a.sum())
 
 
-def _channel(engine: CoopEngine) -> CommandQueue:
-    import socket
-
-    guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    engine.attach_guest(engine_end.fileno())
-    engine_end.close()
-    return CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
-
-
 def test_cooperative_spare_adopts_a_vf_and_runs_its_kernels() -> None:
     fb = os.memfd_create("test-spare-fb", os.MFD_CLOEXEC)
     os.ftruncate(fb, FB_SIZE)
@@ -241,7 +233,7 @@ def test_cooperative_spare_adopts_a_vf_and_runs_its_kernels() -> None:
     spare.refill(ANY, EngineSpec(3, FB_SIZE))
     engine = spare.take(ANY, EngineSpec(3, FB_SIZE), fb, fault=False)
     assert engine is not None and engine.spec.vf == 3
-    queue = _channel(engine)
+    queue = guest_queue(engine)
     try:
         engine.command(WSCommand.INIT_GPU, 30)
         assert engine.status[Word.READY] == 1

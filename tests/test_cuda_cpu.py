@@ -38,7 +38,7 @@ from gpuvirt.errors import DeviceError, GpuvirtError, StateError
 from gpuvirt.guest.queue import CommandQueue, kernel
 from gpuvirt.protocol.command import BufDesc
 from gpuvirt.protocol.info import PF2VF_OFFSET, RESERVED_SIZE
-from helpers import wait_until
+from helpers import guest_queue, wait_until
 
 # Kernels defined here run in engine processes that cannot import this module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -127,11 +127,7 @@ class Rig:
         self.queue: CommandQueue | None = None
 
     def attach(self) -> CommandQueue:
-        guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.engine.attach_guest(engine_end.fileno())
-        engine_end.close()
-        doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.queue = CommandQueue(guest, doorbell)
+        self.queue = guest_queue(self.engine)
         return self.queue
 
     def close(self) -> None:

@@ -5,7 +5,6 @@ The cooperative counterpart is in tests/test_cuda_cpu.py."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -17,10 +16,10 @@ import numpy as np
 from gpuvirt.device.base import EngineSpec, SwitchLimits, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.device.status import Word
-from gpuvirt.guest.queue import CommandQueue, kernel
+from gpuvirt.guest.queue import kernel
 from gpuvirt.protocol.command import BufDesc
 from gpuvirt.protocol.info import RESERVED_SIZE
-from helpers import wait_until
+from helpers import guest_queue, wait_until
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -42,10 +41,7 @@ def test_switch_out_stops_an_emu_vf_mid_kernel_and_may_post_the_stop(tmp_path: P
         e = dev.new_engine(EngineSpec(0, FB))
         e.command(WSCommand.INIT_GPU, 60)
         e.command(WSCommand.RUN_GPU, T)
-        guest, end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        e.attach_guest(end.fileno())
-        end.close()
-        q = CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+        q = guest_queue(e)
         stamp = BufDesc(RESERVED_SIZE, (1,), "<i8")
         flag = tmp_path / "end"
         fut = q.launch(kernel(_wait_then_stamp), (stamp,), {"flag": str(flag)})
