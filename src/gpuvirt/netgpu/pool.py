@@ -132,7 +132,8 @@ class Pool:
             raise
 
     def _rx_class(self) -> type[Rx]:
-        from gpuvirt.netgpu.rx import Rx, SettledRx
+        from gpuvirt.netgpu.rx import Rx
+        from gpuvirt.netgpu.settled import SettledRx
 
         return Rx if self.provider.mapped else SettledRx
 

@@ -18,7 +18,7 @@ of the pool, so a read is addressed by FB offset (`reader_at`), bytes the
 receiver already holds go through `write_at`, and a fragment may be handed out
 only once its copy has completed: `committed` numbers the reads, `landed(n)`
 says (without waiting) whether the first n are in device memory, `wait(n)`
-waits for them, `flush()` for all. rx.py's SettledRx hands each fragment out
+waits for them, `flush()` for all. settled.py's SettledRx hands each fragment out
 once its own reads have landed, and reads on meanwhile: it never waits for a
 copy while the socket has data for the next read (docs/netgpu.md, "The staged
 path").
