@@ -452,6 +452,32 @@ def test_staged_upload_batches_its_copies_and_says_what_landed(emu_gpu: Any) -> 
     buf.free()
 
 
+def test_staged_upload_landed_asks_no_channel(emu_gpu: Any) -> None:
+    """`landed` answers from the replies already taken (a receiver asks it once per read:
+    a look at the channel would be a system call per read); the batch's reply, waiting
+    in the channel, is taken by `completed` (or acquire, or wait)."""
+    import select
+
+    from gpuvirt.guest.staging import StagedUpload, StagingArea
+
+    staging = StagingArea(emu_gpu._mem, 0, PF2VF_OFFSET)
+    up = StagedUpload(staging, emu_gpu._queue, chunk=4096, nchunks=8, batch=4)
+    buf = emu_gpu.alloc(4 * 4096, np.uint8)
+    try:
+        for i in range(4):  # a full batch: sent
+            chunk = up.acquire()
+            chunk.array[:] = i + 1
+            up.commit(chunk, buf.offset + i * 4096, 4096)
+        # the engine's reply is in the channel, unread
+        assert select.select([emu_gpu._queue.channel], [], [], 10)[0]
+        assert not up.landed(4)
+        assert up.completed() == 4 and up.landed(4)
+    finally:
+        up.close()
+    assert np.array_equal(buf.view(), np.repeat(np.arange(1, 5, dtype=np.uint8), 4096))
+    buf.free()
+
+
 def test_add_staging_gives_an_emu_vf_the_staged_receive_and_every_byte_lands() -> None:
     """The cuda path on emu through the public guest interface (bench netgpu's staged rows):
     a raw and a framed stream several times the staging ring, every fragment read back

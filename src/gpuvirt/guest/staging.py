@@ -186,9 +186,9 @@ class StagedUpload:
     message, one DONE, one synchronize for the batch, since each message costs the
     guest a send, a reply to read and a future, and wakes the engine. A batch goes
     when it is full, or sooner when the caller needs it: `wait(n)` sends what it waits
-    for, `submit()` sends what is pending. `landed(n)` says, without waiting or
-    sending, whether the first n are in the FB. Copies complete in commit order (one
-    channel, one stream). A chunk is handed out again only once its copy has
+    for, `submit()` sends what is pending. `landed(n)` says, without waiting, sending
+    or asking, whether the first n are known to be in the FB. Copies complete in
+    commit order (one channel, one stream). A chunk is handed out again only once its copy has
     completed, so a caller that outruns the copies waits in `acquire`: that wait is
     what stops it reading its socket (backpressure). Chunks are reused most recently
     freed first: the one a copy just finished with is the likeliest to be in cache.
@@ -244,7 +244,8 @@ class StagedUpload:
 
     def commit(self, chunk: StagingChunk, fb_offset: int, nbytes: int) -> int:
         """Copy the first nbytes of the chunk to fb_offset; the chunk recycles when done.
-        Returns the commit's number (`landed(it)` once the bytes are in the FB)."""
+        Returns the commit's number (`landed(it)` once the bytes are known to be in the
+        FB)."""
         if not 0 < nbytes <= chunk.nbytes:
             raise ValueError(f"commit of {nbytes} bytes from a {chunk.nbytes}-byte chunk")
         with self._lock:
@@ -272,11 +273,12 @@ class StagedUpload:
             return self._completed
 
     def landed(self, n: int) -> bool:
-        """Whether the first n commits are in the FB; never waits, never sends (and asks
-        the channel only when what is known to have landed does not cover them)."""
-        if n <= self._completed:
-            return True
-        return n <= self._submitted and n <= self.completed()
+        """Whether the first n commits are known to be in the FB, from the replies taken
+        so far (by `acquire` once the ring runs out, `completed`, `wait`); never waits,
+        sends or asks the channel. A receiver asks this once per read, and a look at the
+        channel would be a system call per read; the ring running out, or `wait`, brings
+        the news in batches."""
+        return n <= self._completed
 
     def wait(self, n: int) -> None:
         """Wait until the first n commits have landed (sending them if they are pending);

@@ -17,7 +17,7 @@ What differs from ``userspace`` for the receiver (rx.py): there is no host view
 of the pool, so a read is addressed by FB offset (`reader_at`), bytes the
 receiver already holds go through `write_at`, and a fragment may be handed out
 only once its copy has completed: `committed` numbers the reads, `landed(n)`
-says (without waiting) whether the first n are in device memory, `wait(n)`
+says (without waiting) whether the first n are known to be in device memory, `wait(n)`
 waits for them, `flush()` for all. settled.py's SettledRx hands each fragment out
 once its own reads have landed, and reads on meanwhile: it never waits for a
 copy while the socket has data for the next read (docs/netgpu.md, "The staged
@@ -201,7 +201,8 @@ class CudaStagingProvider(Provider):
         return self._upload().completed()
 
     def landed(self, n: int) -> bool:
-        """Whether the first n are in device memory; never waits."""
+        """Whether the first n are known to be in device memory; never waits or asks
+        the engine (StagedUpload.landed)."""
         return self._upload().landed(n)
 
     def wait(self, n: int) -> None:
