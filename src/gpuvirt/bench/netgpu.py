@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread
-from gpuvirt.bench.netgpu_send import MESSAGE, sender_main, stream_sha256
+from gpuvirt.bench.netgpu_send import MESSAGE, place_sender, sender_main, stream_sha256
 from gpuvirt.device.cuda import STAGING_SIZE
 from gpuvirt.guest.memory import Buffer
 from gpuvirt.protocol.frames import HEADER_SIZE
@@ -264,6 +264,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
 
             gpu = gpuvirt.attach(0, socket=hp.socket, token=hp.token(0))
             try:
+                sender_cpus = place_sender(sender.pid, hp.status()["vfs"][0]["engine_pid"])
                 paths = _Paths(gpu)
                 provider = paths.pool.provider.name
                 for streams in STREAMS:  # warm-up, not counted: first-use costs of every path
@@ -285,7 +286,12 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     finally:
         parent.send(None)
         sender.join(10)
-    return _result(trials, backend, per_trial, reps, provider, verified)
+    result = _result(trials, backend, per_trial, reps, provider, verified)
+    result.figures["sender_cpus"] = sender_cpus
+    result.notes.append(
+        f"the sender runs on CPUs {sender_cpus}, off the engine's (netgpu_send.place_sender)"
+    )
+    return result
 
 
 def _trial(

@@ -8,6 +8,7 @@ epoll, so that on two cores the receiver never shares a core with a second sende
 from __future__ import annotations
 
 import hashlib
+import os
 import select
 import socket
 from typing import Any
@@ -32,6 +33,24 @@ def stream_sha256(per_stream: int, framed: bool) -> str:
     for pos in range(0, per_stream, block):
         h.update(data[: min(block, per_stream - pos)])
     return h.hexdigest()
+
+
+def place_sender(pid: int, engine_pid: int) -> list[int]:
+    """Keep the sender (process `pid`) off the CPUs the VF's engine runs on, and return
+    the CPUs it may use.
+
+    The sender stands in for another machine: on a real link its work is not this
+    host's. On emu the engine's CPU is the emulated device (its copy is the staged
+    path's DMA), so a sender the scheduler puts there competes with the device and not
+    with the receiver: on 2 CPUs, left to the scheduler, the sender and the receiver
+    trade CPUs within a trial and the staged rows' throughput scatters by 4x
+    (docs/netgpu.md, "The staged path"). Every path runs with the same placement.
+    Where the engine may use every CPU there is nothing to keep the sender off.
+    """
+    mine = os.sched_getaffinity(0)
+    others = mine - os.sched_getaffinity(engine_pid)
+    os.sched_setaffinity(pid, others or mine)
+    return sorted(others or mine)
 
 
 def sender_main(conn: Any) -> None:
