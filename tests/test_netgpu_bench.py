@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,3 +41,19 @@ def test_a_sender_beside_an_engine_that_may_run_anywhere_may_too() -> None:
         for p in (engine, sender):
             p.kill()
             p.wait()
+
+
+def test_a_trial_reports_the_watched_processes_cpu_beside_the_receivers() -> None:
+    from gpuvirt.bench import netgpu_cpu
+
+    watch = {"me": os.getpid(), "gone": 2**22 + 1}  # pid_max is at most 2**22
+    before = netgpu_cpu.sample(watch)
+    t = time.process_time()
+    while time.process_time() - t < 0.05:  # work, counted both ways
+        pass
+    got = netgpu_cpu.per_gb(before, netgpu_cpu.sample(watch), 0.5)
+    assert set(got) == {
+        "cpu_s_per_gb", "rx_preempted_per_gb", "me_cpu_s_per_gb", "gone_cpu_s_per_gb"
+    }  # fmt: skip
+    assert got["cpu_s_per_gb"] > 0 and got["me_cpu_s_per_gb"] > 0
+    assert got["gone_cpu_s_per_gb"] == 0  # a process that is not there counts nothing

@@ -1,0 +1,57 @@
+"""Where a `bench netgpu` trial's CPU goes, process by process.
+
+The judged figure is the receiver's own CPU: user + system time of this process
+(getrusage). Beside it, so that docs/netgpu.md ("The staged path") can say where
+the time goes from the bench's own output: the sender's and the engine's CPU time
+(every thread's, from /proc/PID/task/*/schedstat, in nanoseconds; readable for a
+sandboxed engine too) and how often the receiver was preempted (its involuntary
+context switches: on emu the engine that copies staged bytes runs on a CPU the
+receiver may share).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import NamedTuple
+
+
+class Usage(NamedTuple):
+    rx_cpu_s: float  # this process: user + system
+    rx_preempted: int  # this process: involuntary context switches
+    others_ns: dict[str, int]  # the watched processes' CPU time, by name
+
+
+def sample(watch: dict[str, int]) -> Usage:
+    """Now, for this process and the watched ones ({name: pid})."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return Usage(r.ru_utime + r.ru_stime, r.ru_nivcsw, {k: _cpu_ns(p) for k, p in watch.items()})
+
+
+def per_gb(before: Usage, after: Usage, gb: float) -> dict[str, float]:
+    """The trial's figures per GB received: `cpu_s_per_gb` (the receiver's: judged),
+    `rx_preempted_per_gb`, and `<name>_cpu_s_per_gb` for each watched process."""
+    out = {
+        "cpu_s_per_gb": (after.rx_cpu_s - before.rx_cpu_s) / gb,
+        "rx_preempted_per_gb": (after.rx_preempted - before.rx_preempted) / gb,
+    }
+    for name, ns in after.others_ns.items():
+        out[f"{name}_cpu_s_per_gb"] = (ns - before.others_ns[name]) / 1e9 / gb
+    return out
+
+
+def _cpu_ns(pid: int) -> int:
+    """CPU time of every thread of `pid` so far (a thread that ended takes its own along,
+    which a trial's engine or sender does not: their threads live as long as they do)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0  # gone: counted as nothing more
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
