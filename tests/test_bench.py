@@ -19,6 +19,7 @@ from gpuvirt.bench.sched import busy_windows, disagreement_pp, jain, shares
 from gpuvirt.bench.sched import run as sched_run
 from gpuvirt.bench.sched_wait import WAIT_KERNEL_S, busy, parse_weights, weight_set
 from gpuvirt.bench.wait import STEP_NS, wait_log
+from gpuvirt.bench.windows import foreign_ns
 from gpuvirt.bench.workers import (
     CHECKPOINT_NS,
     THROUGH_NS,
@@ -346,3 +347,13 @@ def test_netgpu_trials_take_every_stream_count_on_every_path(make_host: MakeHost
     finally:
         parent.send(None)
         sender.join(10)
+
+
+def test_foreign_work_on_the_device_cpu_is_its_busy_time_less_the_engines() -> None:
+    """What ran on emu's device CPU beside the engines (another host, a test run): the
+    CPU's busy time over the window less each engine's own, one that started in the
+    window counted from zero; None on a device that is not one of our CPUs."""
+    before = (1_000, {11: 100, 12: 200})
+    after = (5_000, {11: 1_100, 12: 1_200, 13: 500})
+    assert foreign_ns(before, after) == 4_000 - (1_000 + 1_000 + 500)
+    assert foreign_ns(None, after) is None and foreign_ns(before, None) is None

@@ -28,6 +28,7 @@ from gpuvirt.bench.windows import busy_window, busy_windows, shares
 KERNEL_S = {"emu": 0.05, "cuda": 0.001}
 SLICE_MS = 6
 DISAGREE_PP = 1.0  # engine vs scheduler shares: a gap over this is reported
+FOREIGN_MS = 50.0  # ms of other work on the device CPU in a switching window: said (10 ms ticks)
 
 
 def busy_fraction(window: dict[str, Any], vfs: list[int]) -> float:
@@ -76,7 +77,7 @@ def run(quick: bool = False, backend: str = "emu", weights: str | None = None) -
     # 1. switching: 8 busy VFs against one VF alone, alternating, on one host
     lat_us: list[float] = []
     per_round = ("work_ratio", "lost_engine", "lost_sched", "lost_alone",
-                 "p50", "p99", "p50_sched", "p99_sched")  # fmt: skip
+                 "p50", "p99", "p50_sched", "p99_sched", "foreign_ms")  # fmt: skip
     sw: dict[str, list[float]] = {k: [] for k in per_round}
     with scratch_host(device=dev, sriov={"vf_num": 8}, scheduler=sched) as hp:
         for r in range(rounds):
@@ -99,6 +100,8 @@ def run(quick: bool = False, backend: str = "emu", weights: str | None = None) -
             sw["p99"].append(percentile(lat, 99))
             sw["p50_sched"].append(percentile(lat_sched, 50))
             sw["p99_sched"].append(percentile(lat_sched, 99))
+            if eight["foreign_ns"] is not None:  # emu: the device is one of our CPUs
+                sw["foreign_ms"].append(eight["foreign_ns"] / 1e6)
 
     # 2. weighted 1,2,3,4
     weights = [1, 2, 3, 4]
@@ -140,6 +143,8 @@ def run(quick: bool = False, backend: str = "emu", weights: str | None = None) -
         "jain_equal": spread(jains, 5),
         "jain_equal_sched": spread(jains_sched, 5),
     }
+    if sw["foreign_ms"]:  # emu: the device is one of this machine's CPUs
+        spreads["device_cpu_foreign_ms"] = spread(sw["foreign_ms"], 1)
     med = {k: v[1] for k, v in spreads.items()}
     worst_disagree = max(v[2] for v in disagree.values())
     figures = {
@@ -191,6 +196,13 @@ def run(quick: bool = False, backend: str = "emu", weights: str | None = None) -
         "next, by their kernels' logs; the scheduler's own figure (IDLE issued to RUN "
         "issued; a posted stop lands after it) beside it",
     ]
+    if max(sw["foreign_ms"], default=0.0) > FOREIGN_MS:
+        notes.append(
+            f"the device's CPU ran up to {max(sw['foreign_ms']):.0f} ms of other work than "
+            f"the engines' in a switching window (> {FOREIGN_MS} ms): a continued VF waits "
+            "behind it, so the kernels' switch latency includes it (not the scheduler's); "
+            "rerun on a quiet machine"
+        )
     if worst_disagree > DISAGREE_PP:
         notes.append(
             f"engine and scheduler shares disagree by up to {worst_disagree:.2f} pp "

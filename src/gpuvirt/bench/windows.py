@@ -4,6 +4,8 @@ own progress logs, at the instants of two scheduler snapshots (bench sched, flr,
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from typing import Any
 
@@ -16,6 +18,7 @@ from gpuvirt.bench.workers import (
     switch_gaps,
     work_between,
 )
+from gpuvirt.device.emu import exec_cpu
 from gpuvirt.host.process import HostProcess
 
 SETTLE_S = 1.0
@@ -46,6 +49,7 @@ def busy_windows(
         time.sleep(SETTLE_S)
         snaps = []
         for _ in range(windows):
+            cpu0 = device_cpu_time(hp)
             first = hp.admin.request("GET", "/sched")
             samples = [first]
             end = time.monotonic() + seconds
@@ -55,6 +59,7 @@ def busy_windows(
             time.sleep(max(0.0, end - time.monotonic()))  # the measurement window itself
             last = hp.admin.request("GET", "/sched?latencies=1")
             samples.append(last)
+            last["foreign_ns"] = foreign_ns(cpu0, device_cpu_time(hp))
             snaps.append(samples)
         reports = {r.vf: r for r in w.stop() if r is not None}
     return [_window(samples, vfs, reports) for samples in snaps]
@@ -86,6 +91,10 @@ def _window(
         # and the world switches between them, by the same logs
         "gaps_ns": switch_gaps({vf: r.progress for vf, r in reports.items()}, t0, t1),
         "lost_ns": last["lost_ns"] - first["lost_ns"],
+        # CPU time on the device's CPU not spent by the host's engines: other work there
+        # (another host's engines, a test run) that a continued VF waited behind; None
+        # where the device is not the host's CPU (cuda)
+        "foreign_ns": last.get("foreign_ns"),
         "switches": switches,
         "latencies_ns": last.get("latencies_ns", [])[-switches:] if switches else [],
         "samples": samples,
@@ -109,3 +118,63 @@ def shares(window: dict[str, Any], vfs: list[int], key: str = "engine_ns") -> di
     ns) or `device_ns` (the scheduler's accounting)."""
     total = sum(window[key][vf] for vf in vfs) or 1
     return {vf: window[key][vf] / total for vf in vfs}
+
+
+CpuTime = tuple[int, dict[int, int]]  # the device CPU's busy ns, each engine's run ns
+
+
+def device_cpu_time(hp: HostProcess) -> CpuTime | None:
+    """The emulated device's CPU's busy time (ns, /proc/stat) and each of the host's
+    engines' run time (ns, /proc/<pid>/schedstat); None on a real device."""
+    if hp.config.device.backend != "emu":
+        return None
+    cpu = exec_cpu()
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith(f"cpu{cpu} "):
+                v = [int(x) for x in line.split()[1:8]]
+                busy = (sum(v) - v[3] - v[4]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    return busy, {pid: _run_ns(pid) for pid in _engines(hp.proc.pid, cpu)}
+
+
+def foreign_ns(before: CpuTime | None, after: CpuTime | None) -> int | None:
+    """The work that ran on the device's CPU between two readings beside the engines."""
+    if before is None or after is None:
+        return None
+    engines = sum(ns - before[1].get(pid, 0) for pid, ns in after[1].items())
+    return after[0] - before[0] - engines
+
+
+def _engines(host: int, cpu: int) -> list[int]:
+    """The host's descendants that run on `cpu` alone (its engines, once started)."""
+    kids: dict[int, list[int]] = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(p))
+    out, todo = [], list(kids.get(host, []))
+    while todo:
+        pid = todo.pop()
+        todo += kids.get(pid, [])
+        with contextlib.suppress(OSError):
+            if os.sched_getaffinity(pid) == {cpu}:
+                out.append(pid)
+    return out
+
+
+def _run_ns(pid: int) -> int:
+    """CPU time of every thread of `pid` (a kernel may start threads of its own)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue  # a thread that ended meanwhile
+    return total
