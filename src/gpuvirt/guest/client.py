@@ -32,11 +32,10 @@ from gpuvirt.errors import (
     VFResetError,
 )
 from gpuvirt.guest.extension import NetExtension, make_netgpu
-from gpuvirt.guest.handshake import attach_socket, reason_text
+from gpuvirt.guest.handshake import attach_socket, attach_target, reason_text
 from gpuvirt.guest.memory import Allocator, Buffer, MappedFB
 from gpuvirt.guest.queue import CommandQueue, Kernel, LaunchFuture, kernel
 from gpuvirt.guest.staging import StagedFB, StagingArea
-from gpuvirt.paths import mailbox_socket
 from gpuvirt.poll import POLL_ENV, poll_limit_ns
 from gpuvirt.protocol.errors import ProtocolError
 from gpuvirt.protocol.info import (
@@ -55,7 +54,6 @@ from gpuvirt.protocol.mailbox import (
     HostMsg,
     alive_reply,
 )
-from gpuvirt.tokens import parse_token
 
 __all__ = ["Gpu", "attach", "kernel"]
 
@@ -420,18 +418,7 @@ def attach(
     else GPUVIRT_TOKEN_FILE (a file holding the token, as a Kubernetes device plugin mounts it).
     GPUVIRT_POLL_US bounds how long a wait for a result polls before it sleeps (0: never)."""
 
-    path = socket or os.environ.get("GPUVIRT_SOCKET") or mailbox_socket()
-    if vf is None:
-        env = os.environ.get("GPUVIRT_VF")
-        if env is None:
-            raise GpuvirtError("no VF given: pass vf= or set GPUVIRT_VF")
-        try:
-            vf = int(env)
-        except ValueError:
-            raise GpuvirtError(f"GPUVIRT_VF={env!r}: not a VF index") from None
-    if token is None:
-        token = os.environ.get("GPUVIRT_TOKEN") or _token_from_file()
-    raw = parse_token(token)
+    path, vf, raw = attach_target(vf, socket, token)
     poll_ns = poll_limit_ns(os.environ.get(POLL_ENV))
     sock = attach_socket(path, vf, raw, timeout)  # the host's SUCCESS to ATTACH read
     gpu = Gpu(vf, sock, on_reset, poll_ns)
@@ -441,22 +428,3 @@ def attach(
         gpu._teardown(DetachedError(f"attach to VF{vf} failed"))
         raise
     return gpu
-
-
-def _token_from_file() -> bytes:
-    path = os.environ.get("GPUVIRT_TOKEN_FILE")
-    if not path:
-        raise GpuvirtError(
-            "no token given: pass token=, or set GPUVIRT_TOKEN or GPUVIRT_TOKEN_FILE"
-        )
-    try:
-        with open(path, "rb") as f:
-            data = f.read(4096)
-    except OSError as e:
-        raise GpuvirtError(
-            f"GPUVIRT_TOKEN_FILE={path!r}: cannot read it: {e.strerror or e}"
-        ) from None
-    try:
-        return parse_token(data)
-    except GpuvirtError as e:
-        raise GpuvirtError(f"GPUVIRT_TOKEN_FILE={path!r}: {e}") from None

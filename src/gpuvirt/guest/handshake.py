@@ -1,4 +1,4 @@
-"""The guest's ATTACH exchange: connect, send ATTACH, read the host's answer.
+"""The guest's ATTACH exchange: where to, as whom; connect, send ATTACH, read the answer.
 
 The host may refuse a connection before it reads a byte (too many connections
 waiting to attach, of all peers or of this uid): it sends FAIL(reason) and
@@ -17,8 +17,10 @@ import socket
 import time
 
 from gpuvirt.defaults import ATTACH_RETRY_FIRST_S, ATTACH_RETRY_MAX_S
-from gpuvirt.errors import AuthRefusedError, HostBusyError, HostUnreachableError
+from gpuvirt.errors import AuthRefusedError, GpuvirtError, HostBusyError, HostUnreachableError
+from gpuvirt.paths import mailbox_socket
 from gpuvirt.protocol.mailbox import FRAME_SIZE, Attach, FailReason, Frame, HostMsg
+from gpuvirt.tokens import parse_token
 
 REFUSALS = {
     FailReason.BAD_TOKEN: "the token is wrong for this VF",
@@ -107,3 +109,42 @@ def _try(
         sock.close()
         raise HostUnreachableError(f"host at {path} answered no ATTACH: {why}")
     return sock, Frame.decode(data)
+
+
+def attach_target(
+    vf: int | None, path: str | os.PathLike[str] | None, token: str | bytes | None
+) -> tuple[str | os.PathLike[str], int, bytes]:
+    """Where to attach, to which VF, with which token: the arguments, else GPUVIRT_SOCKET,
+    GPUVIRT_VF, and GPUVIRT_TOKEN or else GPUVIRT_TOKEN_FILE (a file holding the token, as
+    a Kubernetes device plugin mounts it)."""
+    path = path or os.environ.get("GPUVIRT_SOCKET") or mailbox_socket()
+    if vf is None:
+        env = os.environ.get("GPUVIRT_VF")
+        if env is None:
+            raise GpuvirtError("no VF given: pass vf= or set GPUVIRT_VF")
+        try:
+            vf = int(env)
+        except ValueError:
+            raise GpuvirtError(f"GPUVIRT_VF={env!r}: not a VF index") from None
+    if token is None:
+        token = os.environ.get("GPUVIRT_TOKEN") or _token_from_file()
+    return path, vf, parse_token(token)
+
+
+def _token_from_file() -> bytes:
+    path = os.environ.get("GPUVIRT_TOKEN_FILE")
+    if not path:
+        raise GpuvirtError(
+            "no token given: pass token=, or set GPUVIRT_TOKEN or GPUVIRT_TOKEN_FILE"
+        )
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4096)
+    except OSError as e:
+        raise GpuvirtError(
+            f"GPUVIRT_TOKEN_FILE={path!r}: cannot read it: {e.strerror or e}"
+        ) from None
+    try:
+        return parse_token(data)
+    except GpuvirtError as e:
+        raise GpuvirtError(f"GPUVIRT_TOKEN_FILE={path!r}: {e}") from None
