@@ -49,7 +49,17 @@ def environment() -> dict[str, str]:
 def kill_leftovers(mark: str) -> list[int]:
     """SIGKILL every process that carries this step's mark (hosts and engines it started)."""
     killed = []
-    needle = f"{MARK}={mark}".encode()
+    for pid in processes_with_env(MARK, mark):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Other processes whose environment sets `name` to `value` (those readable)."""
+    needle = f"{name}={value}".encode()
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -58,12 +68,8 @@ def kill_leftovers(mark: str) -> list[int]:
         except OSError:
             continue
         if needle in environ.split(b"\0"):
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-            except ProcessLookupError:
-                pass
-    return killed
+            found.append(int(entry.name))
+    return found
 
 
 def run_step(cmd: list[str], timeout: float, env: dict[str, str]) -> dict[str, Any]:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from gpuvirt.bench.gpu_runner import processes_with_env
+
 CONTROL = "nvidia-cuda-mps-control"
 QUIT_TIMEOUT_S = 10.0
 START_TIMEOUT_S = 10.0
@@ -81,18 +83,7 @@ def _wait_for_control(pipe: Path) -> None:
 
 def holders(pipe: str) -> list[int]:
     """Processes whose environment names this pipe directory (the daemon and its server)."""
-    needle = f"{PIPE_ENV}={pipe}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+    return processes_with_env(PIPE_ENV, pipe)
 
 
 def _reap(pipe: str, timeout: float) -> None:
