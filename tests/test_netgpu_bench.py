@@ -51,9 +51,11 @@ def test_a_trial_reports_the_watched_processes_cpu_beside_the_receivers() -> Non
     t = time.process_time()
     while time.process_time() - t < 0.05:  # work, counted both ways
         pass
-    got = netgpu_cpu.per_gb(before, netgpu_cpu.sample(watch), 0.5)
+    got = netgpu_cpu.per_gb(before, netgpu_cpu.sample(watch), 0.5, 0.05)
     assert set(got) == {
-        "cpu_s_per_gb", "rx_preempted_per_gb", "me_cpu_s_per_gb", "gone_cpu_s_per_gb"
+        "cpu_s_per_gb", "rx_preempted_per_gb", "busy_cpus", "me_cpu_s_per_gb",
+        "gone_cpu_s_per_gb",
     }  # fmt: skip
     assert got["cpu_s_per_gb"] > 0 and got["me_cpu_s_per_gb"] > 0
+    assert got["busy_cpus"] >= 0
     assert got["gone_cpu_s_per_gb"] == 0  # a process that is not there counts nothing

@@ -68,7 +68,7 @@ COALESCE_MS = 1.0  # zerocopy: a read waits this long (a kernel tick, at least) 
 TARGET_THROUGHPUT = 0.97
 TARGET_CPU = 1.05
 # netgpu_cpu's figures beside the judged ones, per row (docs/netgpu.md, "The staged path")
-SIDE_FIGURES = ("sender_cpu_s_per_gb", "engine_cpu_s_per_gb", "rx_preempted_per_gb")
+SIDE_FIGURES = ("sender_cpu_s_per_gb", "engine_cpu_s_per_gb", "rx_preempted_per_gb", "busy_cpus")
 
 
 # ---- the receiving paths --------------------------------------------------------------
@@ -318,7 +318,7 @@ def _trial(
     gb = got / 1e9
     trial = {
         "mode": mode, "path": path, "streams": streams, "rep": rep,
-        "gbytes_per_s": gb / seconds, **netgpu_cpu.per_gb(u0, u1, gb),
+        "gbytes_per_s": gb / seconds, **netgpu_cpu.per_gb(u0, u1, gb, seconds),
     }  # fmt: skip
     if path == "zerocopy":
         trial["fragments_per_gb"] = paths.fragments / gb
