@@ -81,10 +81,6 @@ class FullAccess:
         self._holder: int | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    @property
-    def holder(self) -> int | None:
-        return self._holder
-
     async def grant(self, vf: int, admit: Callable[[], bool]) -> bool:
         """Wait for the lock, then for `vf` to run alone. `admit()`, called once the lock
         is ours, says whether the VF still wants it (its guest may have gone while it

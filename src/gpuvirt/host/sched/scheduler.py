@@ -193,7 +193,6 @@ class Scheduler:
                 self._begin_slice(cur, t)
             if self.current is not None:
                 self._slice_end = self.current.run_start + self.current.slice_ns
-            if self.current is not None:
                 self.exclusive.running(self.current.vf)
         self._arm_idle_notify()
         self._culprit = None
