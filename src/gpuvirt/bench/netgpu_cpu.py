@@ -13,9 +13,10 @@ ticks, so a trial's figure is good to about a tick over its length).
 
 from __future__ import annotations
 
-import os
 import resource
 from typing import NamedTuple
+
+from gpuvirt.bench.proc_cpu import cpu_busy_s, process_cpu_ns
 
 
 class Usage(NamedTuple):
@@ -31,8 +32,8 @@ def sample(watch: dict[str, int]) -> Usage:
     return Usage(
         r.ru_utime + r.ru_stime,
         r.ru_nivcsw,
-        {k: _cpu_ns(p) for k, p in watch.items()},
-        _machine_busy_s(),
+        {k: process_cpu_ns(p) for k, p in watch.items()},
+        cpu_busy_s(),
     )
 
 
@@ -48,29 +49,3 @@ def per_gb(before: Usage, after: Usage, gb: float, seconds: float) -> dict[str, 
     for name, ns in after.others_ns.items():
         out[f"{name}_cpu_s_per_gb"] = (ns - before.others_ns[name]) / 1e9 / gb
     return out
-
-
-def _machine_busy_s() -> float:
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf(
-        "SC_CLK_TCK"
-    )  # through steal; guest time is in user
-
-
-def _cpu_ns(pid: int) -> int:
-    """CPU time of every thread of `pid` so far (a thread that ended takes its own along,
-    which a trial's engine or sender does not: their threads live as long as they do)."""
-    total = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0  # gone: counted as nothing more
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total

@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any
 
+from gpuvirt.bench.proc_cpu import cpu_busy_s, process_cpu_ns
 from gpuvirt.bench.workers import (
     WorkerReport,
     Workers,
@@ -125,17 +126,12 @@ CpuTime = tuple[int, dict[int, int]]  # the device CPU's busy ns, each engine's 
 
 def device_cpu_time(hp: HostProcess) -> CpuTime | None:
     """The emulated device's CPU's busy time (ns, /proc/stat) and each of the host's
-    engines' run time (ns, /proc/<pid>/schedstat); None on a real device."""
+    engines' run time (ns, bench/proc_cpu.py); None on a real device."""
     if hp.config.device.backend != "emu":
         return None
     cpu = exec_cpu()
-    busy = 0
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith(f"cpu{cpu} "):
-                v = [int(x) for x in line.split()[1:8]]
-                busy = (sum(v) - v[3] - v[4]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-    return busy, {pid: _run_ns(pid) for pid in _engines(hp.proc.pid, cpu)}
+    busy = int(cpu_busy_s(cpu) * 1e9)
+    return busy, {pid: process_cpu_ns(pid) for pid in _engines(hp.proc.pid, cpu)}
 
 
 def foreign_ns(before: CpuTime | None, after: CpuTime | None) -> int | None:
@@ -165,16 +161,3 @@ def _engines(host: int, cpu: int) -> list[int]:
             if os.sched_getaffinity(pid) == {cpu}:
                 out.append(pid)
     return out
-
-
-def _run_ns(pid: int) -> int:
-    """CPU time of every thread of `pid` (a kernel may start threads of its own)."""
-    total = 0
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except (OSError, IndexError, ValueError):
-                continue  # a thread that ended meanwhile
-    return total
