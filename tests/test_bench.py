@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuvirt.bench import launch, netgpu, netgpu_send
+from gpuvirt.bench import launch, netgpu, netgpu_figures, netgpu_send
 from gpuvirt.bench.common import machine, spread
 from gpuvirt.bench.flr import run as flr_run
 from gpuvirt.bench.scale import fb_memory, pss_bytes
@@ -202,10 +202,11 @@ def test_netgpu_result_judges_every_mode_and_stream_count() -> None:
          "gbytes_per_s": 2.0 if path != "zerocopy" else 2.0 * (0.9 if mode == "raw" else 1.0),
          "cpu_s_per_gb": {"zerocopy": 0.1 * (1.0 + 0.01 * n), "raw-lowat": 0.08}.get(path, 0.1),
          **({"fragments_per_gb": 1000.0 * n} if path == "zerocopy" else {})}
-        for rep in range(3) for mode in netgpu.MODES for n in netgpu.STREAMS
-        for path in netgpu.PATHS
+        for rep in range(3) for mode in netgpu_figures.MODES for n in netgpu_figures.STREAMS
+        for path in netgpu_figures.PATHS
     ]  # fmt: skip
-    r = netgpu._result(trials, "emu", 1 << 20, 3, "userspace", ["raw·1"]).to_json()
+    r = netgpu_figures.result(trials, "emu", 1 << 20, 3, "userspace", ["raw·1"], "setup")
+    r = r.to_json()
     assert {row["mode"] for row in r["rows"]} == {"framed", "raw"}
     assert {row["streams"] for row in r["rows"]} == {1, 2, 4}
     assert r["throughput_ratio"] == pytest.approx(0.9)  # the raw-mode rows, the worst
