@@ -374,7 +374,7 @@ def test_staged_upload_lands_a_socket_stream_in_the_fb(emu_gpu: Any) -> None:
 def test_cuda_staging_provider_lands_a_stream_and_tracks_completion(emu_gpu: Any) -> None:
     import threading
 
-    from gpuvirt.netgpu.providers.cuda_staging import CudaStagingProvider
+    from gpuvirt.netgpu.providers.cuda_staging import CudaStagingProvider, DeviceRange
 
     # On emu the guest maps its FB, so the provider declines, and says why.
     assert "mapped" in (CudaStagingProvider.probe(emu_gpu) or "")
@@ -387,13 +387,15 @@ def test_cuda_staging_provider_lands_a_stream_and_tracks_completion(emu_gpu: Any
     rx, tx = socket.socketpair()
     sender = threading.Thread(target=lambda: (tx.sendall(data.tobytes()), tx.close()))
     sender.start()
-    recv_at = p.reader_at(rx)
+    recv = p.reader(rx)
     pos = 0
     try:
         while True:
-            n = recv_at(buf.offset + 4 + pos, max(1, data.size - pos))
+            n = recv(DeviceRange(buf.offset + 4 + pos, data.size - pos))
             if not n:
                 break
+            # what the read brought in, still in staging (the crc32's input)
+            assert bytes(p.received()) == data[pos : pos + n].tobytes()
             assert p.completed() <= p.committed
             pos += n
         p.write_at(buf.offset, b"NGPU")
@@ -431,6 +433,39 @@ def test_staged_upload_batches_its_copies_and_says_what_landed(emu_gpu: Any) -> 
     finally:
         up.close()
     assert np.array_equal(buf.view(), np.repeat(np.arange(1, 8, dtype=np.uint8), 4096))
+    buf.free()
+
+
+def test_staged_receive_gives_its_chunk_back_when_nothing_came(emu_gpu: Any) -> None:
+    """A read that finds no data (BlockingIOError) or the stream's end (0) commits
+    nothing and keeps no staging chunk: more such reads than the ring has chunks still
+    leave every chunk to take, and a read that does get bytes lands them."""
+    from gpuvirt.guest.staging import StagedUpload, StagingArea
+
+    staging = StagingArea(emu_gpu._mem, 0, PF2VF_OFFSET)
+    up = StagedUpload(staging, emu_gpu._queue, chunk=4096, nchunks=2, batch=1)
+    buf = emu_gpu.alloc(4096, np.uint8)
+    rx, tx = socket.socketpair()
+    rx.setblocking(False)
+    try:
+        for _ in range(5):
+            with pytest.raises(BlockingIOError):
+                up.receive(rx.recv_into, buf.offset, 4096, 0)
+        tx.sendall(b"x" * 100)
+        assert up.receive(rx.recv_into, buf.offset, 4096, 0) == 100
+        assert bytes(up.last_read()) == b"x" * 100
+        tx.close()
+        for _ in range(5):
+            assert up.receive(rx.recv_into, buf.offset + 100, 4096, 0) == 0
+        assert up.committed == 1
+        up.wait(1)
+        held = [up.acquire(), up.acquire()]  # both chunks free again
+        for chunk in held:
+            up.give_back(chunk)
+    finally:
+        rx.close()
+        up.close()
+    assert bytes(buf.view()[:100]) == b"x" * 100
     buf.free()
 
 

@@ -153,6 +153,11 @@ class CommandQueue:
     def copy(self, kind: Kind, *copies: Copy) -> LaunchFuture:
         """COPY_IN or COPY_OUT of one or more ranges, done in order; one future for all."""
         payload = copies[0].encode() if len(copies) == 1 else Copy.encode_many(list(copies))
+        return self.copy_packed(kind, payload)
+
+    def copy_packed(self, kind: Kind, payload: bytes) -> LaunchFuture:
+        """`copy` of descriptors already packed back to back (Copy.pack): the engine
+        checks each, as it checks every message."""
         with self._send_lock:
             self._check()
             return self._submit(Message(kind, payload=payload), kind.name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -217,9 +218,15 @@ class StagedUpload:
             for off in self._offsets:
                 staging.free(off)
             raise
-        self._free: list[int] = list(self._offsets)  # a stack: see the class docstring
-        self._pending: list[Copy] = []  # committed, not yet sent
-        self._sent: deque[tuple[LaunchFuture, list[int]]] = deque()  # (batch, its chunks)
+        # One StagingChunk per slot, made once: a read takes one and gives it back, and
+        # runs per MiB received, so it builds no view or object of its own.
+        ring = [StagingChunk(off, staging.view(off, chunk)) for off in self._offsets]
+        self._free: list[StagingChunk] = ring  # a stack: see the class docstring
+        self._pending: list[bytes] = []  # committed, not yet sent: packed Copy descriptors
+        self._pending_chunks: list[StagingChunk] = []
+        # (batch, its chunks)
+        self._sent: deque[tuple[LaunchFuture, list[StagingChunk]]] = deque()
+        self._last: tuple[StagingChunk, int] | None = None  # the latest `receive`
         self._lock = threading.Lock()
         self.committed = 0  # copies committed, ever
         self._submitted = 0  # of those, sent to the engine
@@ -239,8 +246,7 @@ class StagedUpload:
                         "committed or given back"
                     )
                 self._retire(wait=True)
-            off = self._free.pop()
-        return StagingChunk(off, self.staging.view(off, self.chunk))
+            return self._free.pop()
 
     def commit(self, chunk: StagingChunk, fb_offset: int, nbytes: int) -> int:
         """Copy the first nbytes of the chunk to fb_offset; the chunk recycles when done.
@@ -249,16 +255,37 @@ class StagedUpload:
         if not 0 < nbytes <= chunk.nbytes:
             raise ValueError(f"commit of {nbytes} bytes from a {chunk.nbytes}-byte chunk")
         with self._lock:
-            self._pending.append(Copy(fb_offset, chunk.offset, nbytes))
-            self.committed += 1
-            if len(self._pending) >= self.batch:
-                self._submit()
-            return self.committed
+            return self._commit(chunk, fb_offset, nbytes)
+
+    def receive(self, recv_into: Any, fb_offset: int, nbytes: int, flags: int) -> int:
+        """acquire, `recv_into(chunk, min(nbytes, chunk), flags)` and commit what came to
+        fb_offset, in one call: NetGPU's staged receive does this once per read, so it
+        costs one call and one lock beyond the recv. Returns the byte count (0: the
+        stream ended, nothing committed); an error (BlockingIOError included) gives the
+        chunk back and propagates. `last_read()` is what it brought in."""
+        chunk = self.acquire()
+        try:
+            n = recv_into(chunk.array, min(nbytes, self.chunk), flags)
+        except BaseException:
+            self.give_back(chunk)
+            raise
+        with self._lock:
+            if not n:
+                self._free.append(chunk)
+                return 0
+            self._last = (chunk, n)
+            self._commit(chunk, fb_offset, n)
+        return n
+
+    def last_read(self) -> np.ndarray | None:
+        """The staging bytes the latest `receive` brought in (valid until the next one)."""
+        last = self._last
+        return None if last is None else last[0].array[: last[1]]
 
     def give_back(self, chunk: StagingChunk) -> None:
         """Return a chunk that was acquired but not committed (the sender closed, say)."""
         with self._lock:
-            self._free.append(chunk.offset)
+            self._free.append(chunk)
 
     def submit(self) -> None:
         """Send the pending commits to the engine now, without waiting for them."""
@@ -320,15 +347,24 @@ class StagedUpload:
                 self.staging.free(off)
             self._offsets.clear()
             self._free.clear()
+            self._last = None
+
+    def _commit(self, chunk: StagingChunk, fb_offset: int, nbytes: int) -> int:
+        self._pending.append(Copy.pack(fb_offset, chunk.offset, nbytes))
+        self._pending_chunks.append(chunk)
+        self.committed += 1
+        if len(self._pending) >= self.batch:
+            self._submit()
+        return self.committed
 
     def _submit(self) -> None:
         pending = self._pending
         if not pending:
             return
-        self._pending = []
-        chunks = [c.staging_offset for c in pending]
+        chunks = self._pending_chunks
+        self._pending, self._pending_chunks = [], []
         try:
-            fut = self.queue.copy(Kind.COPY_IN, *pending)
+            fut = self.queue.copy_packed(Kind.COPY_IN, b"".join(pending))
         except BaseException:
             self._free.extend(chunks)  # never sent: nothing reads them
             self._completed += len(chunks)
@@ -351,7 +387,8 @@ class StagedUpload:
         try:
             if wait:  # a batch takes longer than the poll window: sleep, do not spin
                 self.queue.wait(fut, None, poll=False)
-            exc = fut.exception(timeout=0)
+            # settled by now: Future's own look, not LaunchFuture's (which pumps replies)
+            exc = Future.exception(fut, 0)
         finally:
             self._free.extend(chunks)
             self._completed += len(chunks)

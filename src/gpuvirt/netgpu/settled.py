@@ -46,12 +46,12 @@ class SettledRx(Rx):
 
     def __next__(self) -> Frag:
         settling = self._settling
-        provider = self.pool.provider
+        copies = self.pool.provider.copies  # StagedUpload: asked per fragment, directly
         while True:
             if settling:
                 need, frag = settling[0]
-                if self._end is not None or provider.landed(need) or not self._can_read():
-                    provider.wait(need)
+                if copies.landed(need) or self._end is not None or not self._can_read():
+                    copies.wait(need)  # at once when landed
                     settling.popleft()
                     return frag
             elif self._end is not None:
@@ -64,7 +64,7 @@ class SettledRx(Rx):
                     raise
                 self._end = e  # the fragments before it are handed out first
                 continue
-            settling.append((provider.committed, frag))
+            settling.append((copies.committed, frag))
 
     def _can_read(self) -> bool:
         """Whether the next step finds something to deliver or data to read at once (a

@@ -83,6 +83,11 @@ class Copy:
         return cls(*COPY.unpack(data))
 
     @staticmethod
+    def pack(fb_offset: int, staging_offset: int, nbytes: int) -> bytes:
+        """`Copy(...).encode()` without the object: for a sender that packs one per read."""
+        return COPY.pack(fb_offset, staging_offset, nbytes)
+
+    @staticmethod
     def encode_many(copies: list[Copy]) -> bytes:
         """Several descriptors back to back: one message, one DONE for all of them."""
         return b"".join(c.encode() for c in copies)

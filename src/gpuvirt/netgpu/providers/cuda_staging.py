@@ -14,7 +14,7 @@ touches the payload once, in the kernel's socket copy into staging; the DMA
 moves it to the device.
 
 What differs from ``userspace`` for the receiver (rx.py): there is no host view
-of the pool, so a read is addressed by FB offset (`reader_at`), bytes the
+of the pool, so a read is addressed by FB offset (a DeviceRange), bytes the
 receiver already holds go through `write_at`, and a fragment may be handed out
 only once its copy has completed: `committed` numbers the reads, `landed(n)`
 says (without waiting) whether the first n are known to be in device memory, `wait(n)`
@@ -27,7 +27,6 @@ path").
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from gpuvirt.netgpu.errors import NetGPUError
@@ -36,10 +35,6 @@ from gpuvirt.netgpu.providers.base import Provider, Reader
 if TYPE_CHECKING:
     from gpuvirt.guest.api import Gpu, StagedFB, StagedUpload
     from gpuvirt.netgpu.pool import Pool
-
-ReaderAt = Callable[[int, int, int], int]
-"""(fb_offset, nbytes, MSG_ flags): receive up to nbytes into the FB at fb_offset; return
-the byte count, 0 at end of stream."""
 
 # One read moves at most this much. Large enough that the per-copy round trip to the
 # engine (tens of µs) is small beside the copy; small enough that several are in flight.
@@ -89,7 +84,6 @@ class CudaStagingProvider(Provider):
 
     def __init__(self) -> None:
         self._up: StagedUpload | None = None
-        self.last: Any = None  # staging bytes of the latest read, until the next read (crc)
 
     @classmethod
     def probe(cls, gpu: Gpu) -> str | None:
@@ -126,20 +120,21 @@ class CudaStagingProvider(Provider):
 
     def reader(self, sock: socket.socket) -> Reader:
         """recv_into's shape over the pool's window: a DeviceRange (a slice of the window)
-        is received through staging (`reader_at`); host memory (a header) directly."""
-        recv_at = self.reader_at(sock)
+        is received through staging (StagedUpload.receive: into a staging chunk, then its
+        copy to the range is committed); host memory (a header) directly."""
+        receive = self._upload().receive
         recv_into = sock.recv_into
 
         def recv(target: Any, nbytes: int = 0, flags: int = 0) -> int:
             if target.__class__ is DeviceRange:
-                return recv_at(target.fb_offset, nbytes or target.nbytes, flags)
+                return receive(recv_into, target.fb_offset, nbytes or target.nbytes, flags)
             return recv_into(target, nbytes, flags)
 
         return recv
 
     def received(self) -> Any:
         """The bytes of the latest read, in staging (for a crc32): there is no host view."""
-        return self.last
+        return self._upload().last_read()
 
     # ---- the staging path --------------------------------------------------------------
 
@@ -155,30 +150,8 @@ class CudaStagingProvider(Provider):
 
     def detach(self) -> None:
         up, self._up = self._up, None
-        self.last = None  # a view of the staging mapping: it would keep the mapping open
         if up is not None:
             up.close()
-
-    def reader_at(self, sock: socket.socket) -> ReaderAt:
-        """recv into staging, then start the copy to fb_offset; the read's number is `committed`."""
-        up = self._upload()
-        recv_into = sock.recv_into
-
-        def recv_at(fb_offset: int, nbytes: int, flags: int = 0) -> int:
-            chunk = up.acquire()
-            try:
-                n = recv_into(chunk.array[: min(nbytes, chunk.nbytes)], 0, flags)
-            except BaseException:  # BlockingIOError included: nothing arrived, nothing to copy
-                up.give_back(chunk)
-                raise
-            if not n:
-                up.give_back(chunk)
-                return 0
-            self.last = chunk.array[:n]
-            up.commit(chunk, fb_offset, n)
-            return n
-
-        return recv_at
 
     def write_at(self, fb_offset: int, data: bytes) -> None:
         """Place bytes the receiver already holds (auto mode's first bytes) at fb_offset."""
@@ -190,6 +163,12 @@ class CudaStagingProvider(Provider):
             chunk.array[:k] = memoryview(data)[pos : pos + k]
             up.commit(chunk, fb_offset + pos, k)
             pos += k
+
+    @property
+    def copies(self) -> StagedUpload:
+        """The ring the reads go through: `committed`, `landed(n)`, `wait(n)` (what a
+        receiver asks per fragment, without the provider's calls in between)."""
+        return self._upload()
 
     @property
     def committed(self) -> int:
