@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable
+from typing import ClassVar
 
 from gpuvirt.device.base import (
     CommandTimeout,
@@ -36,6 +37,13 @@ class EmuEngine(ProcessEngine):
     # Engines run only on the device's one CPU and cannot move (seccomp): a stop
     # posted to one lands before the next engine's first instruction (host/sched/switch.py).
     can_post = True
+    # COPY_IN/COPY_OUT stand in for a copy engine's DMA (emu_executor.py): it writes
+    # device memory without passing through the CPU's caches. glibc's memcpy does so
+    # (non-temporal stores) only above a threshold it derives from the L3 size, 114 MiB
+    # on a VM reporting 300 MiB of L3, so a 1 MiB staging copy allocated every line it
+    # wrote: 140-150 µs per MiB there, 87-94 with this threshold (docs/netgpu.md, "Where
+    # the time goes"). Only copies this large stream past the cache; other CPUs ignore it.
+    ENGINE_ENV: ClassVar[dict[str, str]] = {"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x40000"}
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import sys
+from typing import ClassVar
 
 from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.ctl import ADOPT, CTL_ADOPT, CTL_EXIT, CTL_GUEST
@@ -28,6 +29,9 @@ def send_fd(sock: socket.socket, msg: bytes, fd: int) -> None:
 
 
 class ProcessEngine(Engine):
+    # What this backend sets in its engines' environment (device/emu.py's, say).
+    ENGINE_ENV: ClassVar[dict[str, str]] = {}
+
     def __init__(
         self,
         spec: EngineSpec,
@@ -65,7 +69,7 @@ class ProcessEngine(Engine):
             fd for fd in (fb_fd, status_fd, engine_ctl.fileno(), self._idle) if fd is not None
         )
         try:
-            self._proc = sandbox.launch(cmd, fds, who.vf, who.fb_size)
+            self._proc = sandbox.launch(cmd, fds, who.vf, who.fb_size, self.ENGINE_ENV)
         finally:
             engine_ctl.close()
             os.close(status_fd)

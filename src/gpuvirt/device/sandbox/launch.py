@@ -25,6 +25,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Self
 
@@ -102,9 +103,15 @@ class Sandbox:
         landlock = ["--landlock", bwrap.SCRATCH] if "landlock" in self.report.active else []
         return [*landlock, "--start-stderr"]
 
-    def launch(self, cmd: list[str], pass_fds: tuple[int, ...], vf: int, fb_size: int) -> Engined:
+    def launch(
+        self, cmd: list[str], pass_fds: tuple[int, ...], vf: int, fb_size: int,
+        backend_env: Mapping[str, str] | None = None,
+    ) -> Engined:  # fmt: skip
+        """backend_env: what the backend sets in its engines' environment, beside BASE_ENV
+        and the host's passed-on tuning (device/emu.py, ENGINE_ENV)."""
+        backend_env = backend_env or {}
         if self._bwrap is None:
-            return Engined.direct(cmd, pass_fds)
+            return Engined.direct(cmd, pass_fds, backend_env)
         s = self.settings
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         block_r, block_w = os.pipe2(os.O_CLOEXEC)
@@ -113,6 +120,7 @@ class Sandbox:
         sc_fd = seccomp.program_fd() if "seccomp" in self.report.active else None
         env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
         env.update(BASE_ENV)
+        env.update(backend_env)
         args = bwrap.argv(
             self._bwrap, self._setpriv, self.identity(vf),
             info_fd=info_w, block_fd=block_r, seccomp_fd=sc_fd, scratch_size=s.scratch,
@@ -208,8 +216,11 @@ class Engined:
     _stat_fd: int | None = None
 
     @classmethod
-    def direct(cls, cmd: list[str], pass_fds: tuple[int, ...]) -> Engined:
-        env = {**os.environ, **{k: BASE_ENV[k] for k in BASE_ENV if k.endswith("THREADS")}}
+    def direct(
+        cls, cmd: list[str], pass_fds: tuple[int, ...], backend_env: Mapping[str, str]
+    ) -> Engined:
+        threads = {k: BASE_ENV[k] for k in BASE_ENV if k.endswith("THREADS")}
+        env = {**os.environ, **threads, **backend_env}
         popen = subprocess.Popen(
             cmd, pass_fds=pass_fds, close_fds=True, stdin=subprocess.DEVNULL,
             start_new_session=True, env=env,
