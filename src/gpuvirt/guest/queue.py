@@ -148,7 +148,7 @@ class CommandQueue:
             if k.kid not in self._defined:
                 self._send(Message(Kind.DEFINE, kid=k.kid, payload=k.pickled()), ring=False)
                 self._defined.add(k.kid)
-            return self._submit(Message(Kind.LAUNCH, kid=k.kid, payload=payload), k.name)
+            return self._submit(Kind.LAUNCH, k.kid, payload, k.name)
 
     def copy(self, kind: Kind, *copies: Copy) -> LaunchFuture:
         """COPY_IN or COPY_OUT of one or more ranges, done in order; one future for all."""
@@ -160,14 +160,14 @@ class CommandQueue:
         checks each, as it checks every message."""
         with self._send_lock:
             self._check()
-            return self._submit(Message(kind, payload=payload), kind.name)
+            return self._submit(kind, 0, payload, kind.name)
 
-    def _submit(self, msg: Message, what: str) -> LaunchFuture:
+    def _submit(self, kind: Kind, kid: int, payload: bytes, what: str) -> LaunchFuture:
         seq = next(self._seq)
         fut = LaunchFuture(self, seq, what)
         self.pending[seq] = fut
         try:
-            self._send(Message(msg.kind, seq=seq, kid=msg.kid, payload=msg.payload))
+            self._send(Message(kind, seq, kid, 0, payload))
         except BaseException:
             self.pending.pop(seq, None)
             raise

@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 from gpuvirt.protocol.errors import ProtocolError
 
@@ -39,6 +40,9 @@ class Kind(IntEnum):
     COPY_IN = 3
     COPY_OUT = 4
     DONE = 5
+
+
+_KINDS = {k.value: k for k in Kind}
 
 
 class Status(IntEnum):
@@ -74,7 +78,7 @@ class Copy:
     nbytes: int
 
     def encode(self) -> bytes:
-        return COPY.pack(self.fb_offset, self.staging_offset, self.nbytes)
+        return Copy.pack(self.fb_offset, self.staging_offset, self.nbytes)
 
     @classmethod
     def decode(cls, data: bytes) -> Copy:
@@ -101,8 +105,9 @@ class Copy:
         return [cls(*t) for t in COPY.iter_unpack(data)]
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
+    # A NamedTuple, not a frozen dataclass: every launch builds two and decodes one,
+    # and a frozen dataclass's __init__ (object.__setattr__ per field) costs ~1 µs more.
     kind: Kind
     seq: int = 0
     kid: int = 0
@@ -122,11 +127,10 @@ class Message:
     def decode(cls, data: bytes) -> Message:
         if len(data) < HEADER_SIZE:
             raise ProtocolError(f"command message: {len(data)} bytes, shorter than the header")
-        kind, flags, reserved, kid, seq = HEADER.unpack_from(data)
-        try:
-            kind = Kind(kind)
-        except ValueError:
-            raise ProtocolError(f"command message: unknown kind {kind}") from None
+        code, flags, reserved, kid, seq = HEADER.unpack_from(data)
+        kind = _KINDS.get(code)  # Kind(code) raises through a slower path per message
+        if kind is None:
+            raise ProtocolError(f"command message: unknown kind {code}")
         if reserved:
             raise ProtocolError(f"command message: reserved field is {reserved}, must be 0")
         return cls(kind, seq, kid, flags, bytes(data[HEADER_SIZE:]))
