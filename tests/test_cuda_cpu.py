@@ -396,11 +396,11 @@ def test_cuda_staging_provider_lands_a_stream_and_tracks_completion(emu_gpu: Any
                 break
             # what the read brought in, still in staging (the crc32's input)
             assert bytes(p.received()) == data[pos : pos + n].tobytes()
-            assert p.completed() <= p.committed
+            assert p.copies.completed() <= p.copies.committed
             pos += n
         p.write_at(buf.offset, b"NGPU")
         p.flush()
-        assert p.completed() == p.committed
+        assert p.copies.completed() == p.copies.committed
     finally:
         sender.join(10)
         rx.close()

@@ -269,10 +269,10 @@ class StagedUpload:
         except BaseException:
             self.give_back(chunk)
             raise
+        if not n:
+            self.give_back(chunk)
+            return 0
         with self._lock:
-            if not n:
-                self._free.append(chunk)
-                return 0
             self._last = (chunk, n)
             self._commit(chunk, fb_offset, n)
         return n

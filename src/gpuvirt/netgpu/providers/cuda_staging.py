@@ -16,9 +16,9 @@ moves it to the device.
 What differs from ``userspace`` for the receiver (rx.py): there is no host view
 of the pool, so a read is addressed by FB offset (a DeviceRange), bytes the
 receiver already holds go through `write_at`, and a fragment may be handed out
-only once its copy has completed: `committed` numbers the reads, `landed(n)`
-says (without waiting) whether the first n are known to be in device memory, `wait(n)`
-waits for them, `flush()` for all. settled.py's SettledRx hands each fragment out
+only once its copy has completed: `copies` (the StagedUpload) numbers the reads
+(`committed`), says without waiting whether the first n are known to be in device
+memory (`landed(n)`) and waits for them (`wait(n)`); `flush()` waits for all. settled.py's SettledRx hands each fragment out
 once its own reads have landed, and reads on meanwhile: it never waits for a
 copy while the socket has data for the next read (docs/netgpu.md, "The staged
 path").
@@ -166,27 +166,11 @@ class CudaStagingProvider(Provider):
 
     @property
     def copies(self) -> StagedUpload:
-        """The ring the reads go through: `committed`, `landed(n)`, `wait(n)` (what a
-        receiver asks per fragment, without the provider's calls in between)."""
+        """The ring the reads go through (StagedUpload): `committed` numbers the reads
+        (and write_at pieces) whose copy has started, `completed()` how many of them are
+        in device memory, `landed(n)` says without waiting whether the first n are,
+        `wait(n)` waits for them. A receiver asks these per fragment, directly."""
         return self._upload()
-
-    @property
-    def committed(self) -> int:
-        """Reads (and write_at pieces) whose copy has been started, ever."""
-        return self._upload().committed
-
-    def completed(self) -> int:
-        """How many of them (in commit order) are in device memory; never waits."""
-        return self._upload().completed()
-
-    def landed(self, n: int) -> bool:
-        """Whether the first n are known to be in device memory; never waits or asks
-        the engine (StagedUpload.landed)."""
-        return self._upload().landed(n)
-
-    def wait(self, n: int) -> None:
-        """Wait until the first n are in device memory."""
-        self._upload().wait(n)
 
     def flush(self) -> None:
         """Wait until every read so far is in device memory."""
