@@ -43,7 +43,9 @@ class EmuEngine(ProcessEngine):
     # on a VM reporting 300 MiB of L3, so a 1 MiB staging copy allocated every line it
     # wrote: 140-150 µs per MiB there, 87-94 with this threshold (docs/netgpu.md, "Where
     # the time goes"). Only copies this large stream past the cache; other CPUs ignore it.
-    ENGINE_ENV: ClassVar[dict[str, str]] = {"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x40000"}
+    ENGINE_ENV: ClassVar[dict[str, str]] = {
+        "GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x40000"
+    }
 
     def __init__(
         self,
