@@ -113,8 +113,10 @@ class Gpu:
     def launch(self, k: Kernel | Callable[..., Any], *args: Any, **kwargs: Any) -> LaunchFuture:
         self._check_attached()
         k = kernel(k)
-        args = tuple(a.desc if isinstance(a, Buffer) else a for a in args)
-        kwargs = {n: (v.desc if isinstance(v, Buffer) else v) for n, v in kwargs.items()}
+        if args:
+            args = tuple(a.desc if isinstance(a, Buffer) else a for a in args)
+        if kwargs:
+            kwargs = {n: (v.desc if isinstance(v, Buffer) else v) for n, v in kwargs.items()}
         assert self._queue is not None
         return self._queue.launch(k, args, kwargs)
 

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import os
 import pickle
+import select
 import socket
 import struct
 import sys
@@ -32,7 +33,6 @@ import sysconfig
 import threading
 import time
 import types
-from concurrent.futures import Future
 from typing import Any
 
 import cloudpickle
@@ -40,7 +40,7 @@ import cloudpickle
 from gpuvirt.defaults import DEFAULT_POLL_US
 from gpuvirt.errors import DetachedError, GpuvirtError, KernelError, VFResetError
 from gpuvirt.poll import PollWindow
-from gpuvirt.protocol.command import MAX_MESSAGE, Copy, Kind, Message, Status
+from gpuvirt.protocol.command import MAX_MESSAGE, Copy, Kind, Message, Status, pack
 
 _kernel_ids = itertools.count(1)
 # A blocked read re-checks its deadline this often. The wait is the kernel's own
@@ -49,6 +49,9 @@ _kernel_ids = itertools.count(1)
 # syscalls more per launch than the plain send and receive the launch needs.
 RECV_TICK_S = 0.1
 _TIMEVAL = struct.Struct("@ll")
+# Enum members through module globals: each lookup of one costs ~0.2 µs (a 2-vCPU VM),
+# and the launch round trip is the figure DESIGN.md holds to the socket's.
+_LAUNCH, _OK = Kind.LAUNCH, Status.OK
 
 
 class Kernel:
@@ -99,20 +102,48 @@ def kernel(fn: Any) -> Kernel:
     return fn if isinstance(fn, Kernel) else Kernel(fn)
 
 
-class LaunchFuture(Future[Any]):
+class LaunchFuture:
+    """A launch's or copy's outcome: its result, or the error it raised.
+
+    Not a concurrent.futures.Future, which a thread of its own settles while others
+    wait on its condition variable: here no thread settles anything on its own, whoever
+    waits reads the channel (CommandQueue.wait), so result() pumps replies until this
+    one's is in. The condition variable was a third of the guest's part of a launch.
+    One thread settles a future, the one that took it out of `pending`.
+    """
+
+    __slots__ = ("_done", "_exc", "_queue", "_result", "seq", "what")
+
     def __init__(self, queue: CommandQueue, seq: int, what: str) -> None:
-        super().__init__()
         self._queue = queue
         self.seq = seq
         self.what = what
+        self._done = False
+        self._result: Any = None
+        self._exc: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
 
     def result(self, timeout: float | None = None) -> Any:
-        self._queue.wait(self, timeout)
-        return super().result(timeout=0)
+        if not self._done:
+            self._queue.wait(self, timeout)
+        if self._exc is not None:
+            raise self._exc
+        return self._result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._queue.wait(self, timeout)
-        return super().exception(timeout=0)
+        if not self._done:
+            self._queue.wait(self, timeout)
+        return self._exc
+
+    def _settle(self, result: Any, exc: BaseException | None) -> None:
+        self._result, self._exc = result, exc
+        self._done = True  # last: a thread that sees it done sees the outcome
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done else "failed" if self._exc else "done"
+        return f"<LaunchFuture {self.what} seq={self.seq} {state}>"
 
 
 class CommandQueue:
@@ -139,16 +170,25 @@ class CommandQueue:
         self._broken: GpuvirtError | None = None
         self._rcvtimeo = 0.0  # SO_RCVTIMEO now; 0 = none (the socket's default)
         self._rxbuf = bytearray(MAX_MESSAGE)  # see device/engine_loop.py: no big alloc per recv
+        self._rxview = memoryview(self._rxbuf)
         self._poll = PollWindow(poll_ns)
+        # Whether a reply is in, for the poll: poll(0) costs a third of a receive that
+        # finds nothing (that one raises BlockingIOError, caught per turn of the poll).
+        self._readable = select.poll()
+        self._readable.register(channel.fileno(), select.POLLIN)
 
     def launch(self, k: Kernel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LaunchFuture:
-        payload = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = (
+            pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            if args or kwargs
+            else b""
+        )
         with self._send_lock:
             self._check()
             if k.kid not in self._defined:
-                self._send(Message(Kind.DEFINE, kid=k.kid, payload=k.pickled()), ring=False)
+                self._send(pack(Kind.DEFINE, kid=k.kid, payload=k.pickled()), ring=False)
                 self._defined.add(k.kid)
-            return self._submit(Kind.LAUNCH, k.kid, payload, k.name)
+            return self._submit(_LAUNCH, k.kid, payload, k.name)
 
     def copy(self, kind: Kind, *copies: Copy) -> LaunchFuture:
         """COPY_IN or COPY_OUT of one or more ranges, done in order; one future for all."""
@@ -167,14 +207,13 @@ class CommandQueue:
         fut = LaunchFuture(self, seq, what)
         self.pending[seq] = fut
         try:
-            self._send(Message(kind, seq, kid, 0, payload))
+            self._send(pack(kind, seq, kid, 0, payload))
         except BaseException:
             self.pending.pop(seq, None)
             raise
         return fut
 
-    def _send(self, msg: Message | bytes, ring: bool = True) -> None:
-        data = msg.encode() if isinstance(msg, Message) else msg
+    def _send(self, data: bytes, ring: bool = True) -> None:
         if ring:
             os.eventfd_write(self.doorbell, 1)  # before the send: the engine may finish first
         try:
@@ -244,21 +283,19 @@ class CommandQueue:
 
     def _take(self, n: int) -> None:
         """The reply of n bytes in the receive buffer settles its future."""
-        msg = Message.decode(memoryview(self._rxbuf)[:n])
+        msg = Message.decode(self._rxview[:n])
         fut = self.pending.pop(msg.seq, None)
         if fut is None:
             return
         self.completed += 1
-        if msg.flags == Status.OK:
-            fut.set_result(pickle.loads(msg.payload) if msg.payload else None)
+        if msg.flags == _OK:
+            fut._settle(pickle.loads(msg.payload) if msg.payload else None, None)
         elif msg.flags == Status.KERNEL_ERROR:
-            fut.set_exception(
-                KernelError(f"{fut.what} raised in the engine:\n{msg.payload.decode()}")
-            )
+            text = msg.payload.decode()
+            fut._settle(None, KernelError(f"{fut.what} raised in the engine:\n{text}"))
         else:
-            fut.set_exception(
-                GpuvirtError(f"{fut.what} refused by the engine: {msg.payload.decode()}")
-            )
+            text = msg.payload.decode()
+            fut._settle(None, GpuvirtError(f"{fut.what} refused by the engine: {text}"))
 
     def _recv(self, timeout: float | None) -> int:
         """One message into the receive buffer: polled for first, then waited for."""
@@ -277,6 +314,8 @@ class CommandQueue:
         return self.channel.recv_into(self._rxbuf)
 
     def _recv_now(self) -> int | None:
+        if not self._readable.poll(0):
+            return None
         try:
             return self.channel.recv_into(self._rxbuf, 0, socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -294,7 +333,7 @@ class CommandQueue:
         for seq in list(self.pending):
             fut = self.pending.pop(seq, None)
             if fut is not None and not fut.done():
-                fut.set_exception(exc)
+                fut._settle(None, exc)
         self._failed.set()
         with contextlib.suppress(OSError):
             self.channel.shutdown(socket.SHUT_RDWR)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -387,8 +386,7 @@ class StagedUpload:
         try:
             if wait:  # a batch takes longer than the poll window: sleep, do not spin
                 self.queue.wait(fut, None, poll=False)
-            # settled by now: Future's own look, not LaunchFuture's (which pumps replies)
-            exc = Future.exception(fut, 0)
+            exc = fut.exception()  # settled by now: this reads no reply
         finally:
             self._free.extend(chunks)
             self._completed += len(chunks)

@@ -11,7 +11,8 @@ its own engine, which is the tenant's code anyway. The host never decodes them.
 
 kind        guest → engine                       engine → guest
 DEFINE      kid = kernel id, payload = cloudpickle(fn)
-LAUNCH      kid, seq, payload = pickle((args, kwargs)); buffers as BufDesc
+LAUNCH      kid, seq, payload = pickle((args, kwargs)), empty for no arguments;
+            buffers as BufDesc
 COPY_IN     seq, payload = Copy × n (staging → FB; backends without a mapped FB)
 COPY_OUT    seq, payload = Copy × n (FB → staging); one DONE once all n are done
 DONE                                              seq, flags = Status, payload = result
@@ -115,13 +116,7 @@ class Message(NamedTuple):
     payload: bytes = b""
 
     def encode(self) -> bytes:
-        data = HEADER.pack(self.kind, self.flags, 0, self.kid, self.seq) + self.payload
-        if len(data) > MAX_MESSAGE:
-            raise ProtocolError(
-                f"command message of {len(data)} bytes exceeds the channel's {MAX_MESSAGE}-byte "
-                "limit; pass large data in buffers, not in the kernel's closure or arguments"
-            )
-        return data
+        return pack(self.kind, self.seq, self.kid, self.flags, self.payload)
 
     @classmethod
     def decode(cls, data: bytes) -> Message:
@@ -133,4 +128,17 @@ class Message(NamedTuple):
             raise ProtocolError(f"command message: unknown kind {code}")
         if reserved:
             raise ProtocolError(f"command message: reserved field is {reserved}, must be 0")
-        return cls(kind, seq, kid, flags, bytes(data[HEADER_SIZE:]))
+        # tuple.__new__: the NamedTuple's own __new__ is a Python call that only does this
+        return tuple.__new__(cls, (kind, seq, kid, flags, bytes(data[HEADER_SIZE:])))
+
+
+def pack(kind: Kind, seq: int = 0, kid: int = 0, flags: int = 0, payload: bytes = b"") -> bytes:
+    """A message's bytes, `Message(...).encode()` without the tuple: the launch round trip
+    sends two per launch, so its ends pack directly."""
+    if len(payload) > MAX_MESSAGE - HEADER_SIZE:
+        raise ProtocolError(
+            f"command message of {len(payload) + HEADER_SIZE} bytes exceeds the channel's "
+            f"{MAX_MESSAGE}-byte limit; pass large data in buffers, not in the kernel's "
+            "closure or arguments"
+        )
+    return HEADER.pack(kind, flags, 0, kid, seq) + payload
