@@ -63,6 +63,21 @@ def test_write_kernel_read_gives_the_right_numbers(make_host: MakeHost) -> None:
     wait_state(hp, 1, "AVAIL")
 
 
+def test_the_host_starts_every_vfs_engine_at_once(make_host: MakeHost) -> None:
+    """Device.prestart: the engines of all VFs start side by side before the first is
+    enabled, and each VF adopts its own, so the host's start waits for one interpreter
+    start, not one per VF. A VF's first engine was therefore spawned as a spare (`--vf
+    -1`, no FB yet), not after the VF before it was up; it serves its own VF."""
+    hp = make_host(sriov={"vf_num": 3})
+    for vf in range(3):
+        pid = hp.admin.vf(vf)["engine_pid"]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[argv.index(b"--vf") + 1] == b"-1", argv
+        with gpuvirt.attach(vf=vf, socket=hp.socket, token=hp.token(vf)) as gpu:
+            assert gpu.launch(lambda xp, v=vf: v * 10).result(30) == vf * 10
+
+
 def test_wrong_token_index_and_taken_vf_are_refused(make_host: MakeHost) -> None:
     hp = make_host()
     with gpuvirt.attach(vf=0, socket=hp.socket, token=hp.token(0)) as gpu:

@@ -367,6 +367,12 @@ class Device(abc.ABC):
     def new_engine(self, spec: EngineSpec) -> Engine:
         """Spawn the VF's engine process. It is not usable until INIT_GPU completes."""
 
+    def prestart(self, specs: list[EngineSpec]) -> None:
+        """Start, side by side, the engines that these VFs' first `new_engine` will take.
+        The host enables its VFs one at a time (under its lifecycle lock); without this,
+        each waits for the interpreter start of the one before it. A backend without
+        spare engines starts nothing here."""
+
     @abc.abstractmethod
     def guest_fds(self, vf: int) -> list[int]:
         """The descriptors a guest of this VF receives besides its command channel."""

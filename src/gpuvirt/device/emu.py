@@ -281,7 +281,7 @@ class EmuDevice(Device):
         # Confined, a spare has the identity and limits of the VF it was started for and
         # serves that VF only: one per VF (an idle interpreter each), so that every FLR
         # waits for no interpreter start (DESIGN.md: FLR done within cmd_timeout + 300 ms).
-        key = spec.vf if self.sandbox.per_vf_identity else ANY
+        key = self._spare_key(spec)
         engine = self._spares.take(key, spec, fb_fd, fault)
         if engine is None:
             engine = self._engine(spec, fb_fd, fault)
@@ -289,6 +289,14 @@ class EmuDevice(Device):
         # CPU goes to finishing this start and to the neighbours, not to a second start.
         engine.after_init = lambda: self._spares.refill(key, spec)
         return engine
+
+    def prestart(self, specs: list[EngineSpec]) -> None:
+        """Each VF's first engine as a spare, all started at once: new_engine adopts it."""
+        for spec in specs:
+            self._spares.refill(self._spare_key(spec), spec)
+
+    def _spare_key(self, spec: EngineSpec) -> int:
+        return spec.vf if self.sandbox.per_vf_identity else ANY
 
     def _engine(
         self, spec: EngineSpec, fb_fd: int | None, fault: bool, identity: EngineSpec | None = None

@@ -48,7 +48,8 @@ class ProcessEngine(Engine):
         that is not spec's: a spare started for the VF it will serve."""
         who = identity or spec
         self.identity = who.vf
-        status_fd = StatusArea.create(f"gpuvirt-vf{spec.vf}-status")
+        # A spare's is named for the VF it was started for: the one it serves, confined.
+        status_fd = StatusArea.create(f"gpuvirt-vf{who.vf}-status")
         super().__init__(spec, StatusArea(status_fd))
         self._prepare()
         self._ctl, engine_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -124,6 +124,10 @@ class Host:
             Category.HOST, "sandbox", self.sandbox.report.line(), None,
             **self.sandbox.report.as_dict(),
         )  # fmt: skip
+        # Every VF's engine starts now, side by side; enable() adopts them one by one.
+        self.device.prestart(
+            [EngineSpec(vf.index, vf.fb) for vf in self.vfm.vfs if self.vfm.accepts(vf, E.ENABLED)]
+        )
         await asyncio.gather(*(self.enable(vf) for vf in self.vfm.vfs))
         self.mailbox.listen()
         token_file = self.config.host.admin_token_file
