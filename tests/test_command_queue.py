@@ -112,6 +112,25 @@ def test_a_settled_future_answers_without_the_channel(engine: Engine, queue: Com
     assert fut.result(0) == 0.5 and fut.exception(0) is None
 
 
+class _Unloadable:
+    """Pickles in the engine, fails to unpickle anywhere: int("not a number")."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (int, ("not a number",))
+
+
+def _returns_unloadable(xp: Any) -> _Unloadable:
+    return _Unloadable()
+
+
+def test_a_result_the_guest_cannot_unpickle_fails_that_launch_only(queue: CommandQueue) -> None:
+    fut = queue.launch(kernel(_returns_unloadable), (), {})
+    with pytest.raises(KernelError, match="_returns_unloadable returned a result this process"):
+        fut.result(T)
+    assert fut.done() and not queue.pending
+    assert queue.launch(kernel(_divide), (2,), {}).result(T) == 0.5
+
+
 def test_a_refused_request_is_a_gpuvirt_error_naming_it(queue: CommandQueue) -> None:
     fut = queue.copy_packed(Kind.COPY_IN, b"\0" * 5)  # not a whole descriptor
     with pytest.raises(GpuvirtError, match="COPY_IN refused by the engine: copy descriptors"):

@@ -289,7 +289,13 @@ class CommandQueue:
             return
         self.completed += 1
         if msg.flags == _OK:
-            fut._settle(pickle.loads(msg.payload) if msg.payload else None, None)
+            try:
+                result = pickle.loads(msg.payload) if msg.payload else None
+            except Exception as e:  # a class only the engine has, a reduce that raises
+                why = f"{fut.what} returned a result this process cannot unpickle: {e!r}"
+                fut._settle(None, KernelError(why))
+                return
+            fut._settle(result, None)
         elif msg.flags == Status.KERNEL_ERROR:
             text = msg.payload.decode()
             fut._settle(None, KernelError(f"{fut.what} raised in the engine:\n{text}"))
