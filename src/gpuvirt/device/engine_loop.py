@@ -191,7 +191,7 @@ class EngineLoop:
                 self._busy_start()
                 result = self._call(fn, msg.payload)
                 self.executor.synchronize()
-                if self._to_host is not None:
+                if self._to_host is not None and result is not None:
                     result = self._to_host(result)  # its copies are the launch's work too
                 self._busy_stop(drain=False)
                 if result is not None:
