@@ -18,10 +18,10 @@ of the pool, so a read is addressed by FB offset (a DeviceRange), bytes the
 receiver already holds go through `write_at`, and a fragment may be handed out
 only once its copy has completed: `copies` (the StagedUpload) numbers the reads
 (`committed`), says without waiting whether the first n are known to be in device
-memory (`landed(n)`) and waits for them (`wait(n)`); `flush()` waits for all. settled.py's SettledRx hands each fragment out
-once its own reads have landed, and reads on meanwhile: it never waits for a
-copy while the socket has data for the next read (docs/netgpu.md, "The staged
-path").
+memory (`landed(n)`) and waits for them (`wait(n)`); `flush()` waits for all.
+settled.py's SettledRx hands each fragment out once its own reads have landed, and
+reads on meanwhile: it never waits for a copy while the socket has data for the next
+read (docs/netgpu.md, "The staged path").
 """
 
 from __future__ import annotations
