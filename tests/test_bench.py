@@ -228,6 +228,23 @@ def test_netgpu_result_judges_every_mode_and_stream_count() -> None:
     assert r["targets"]["throughput_ratio"]["met"] is False
 
 
+def test_netgpu_staged_rows_say_what_one_cpu_shared_with_the_engine_allows() -> None:
+    """shared_cpu_gbps = 1 / (receiver + engine CPU per GB), per trial, then the median."""
+    trials = [
+        {"mode": mode, "path": path, "streams": n, "rep": rep, "gbytes_per_s": 3.0,
+         "cpu_s_per_gb": 0.2 if path == "staged" else 0.1,
+         "engine_cpu_s_per_gb": (0.05 * (rep + 1)) if path == "staged" else 0.0,
+         **({"fragments_per_gb": 1000.0} if path == "zerocopy" else {})}
+        for rep in range(3) for mode in netgpu_figures.MODES for n in netgpu_figures.STREAMS
+        for path in netgpu_figures.PATHS
+    ]  # fmt: skip
+    r = netgpu_figures.result(trials, "emu", 1 << 20, 3, "userspace", [], "setup").to_json()
+    staged = [row for row in r["rows"] if row["path"] == "staged"]
+    assert len(staged) == 6
+    assert all(row["shared_cpu_gbps"] == pytest.approx(1 / 0.3, abs=1e-3) for row in staged)
+    assert not any("shared_cpu_gbps" in row for row in r["rows"] if row["path"] != "staged")
+
+
 # ---- real runs ----------------------------------------------------------------------------
 
 

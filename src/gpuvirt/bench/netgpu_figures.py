@@ -18,7 +18,8 @@ STREAMS = (1, 2, 4)
 TARGET_THROUGHPUT = 0.97
 TARGET_CPU = 1.05
 # netgpu_cpu's figures beside the judged ones, per row (docs/netgpu.md, "The staged path")
-SIDE_FIGURES = ("sender_cpu_s_per_gb", "engine_cpu_s_per_gb", "rx_preempted_per_gb", "busy_cpus")
+ENGINE = "engine_cpu_s_per_gb"
+SIDE_FIGURES = ("sender_cpu_s_per_gb", ENGINE, "rx_preempted_per_gb", "busy_cpus")
 
 
 def result(
@@ -50,6 +51,13 @@ def result(
         if path == "zerocopy":
             r["fragments_per_gb"] = round(
                 statistics.median(pick(mode, path, n, "fragments_per_gb"))
+            )
+        if path == "staged" and ENGINE in trials[0]:
+            # The rate of a receiver and an engine sharing one CPU and keeping it busy:
+            # where staged runs at it, that CPU is the limit (docs/netgpu.md, "A fourth look").
+            cpu, eng = pick(mode, path, n, "cpu_s_per_gb"), pick(mode, path, n, ENGINE)
+            r["shared_cpu_gbps"] = round(
+                statistics.median(1 / (c + e) for c, e in zip(cpu, eng, strict=True)), 3
             )
         return r
 
@@ -103,6 +111,8 @@ def result(
         table.append((what, r["cpu_s_per_gb"], "CPU s/GB"))
         if "fragments_per_gb" in r:
             table.append((what, r["fragments_per_gb"], "fragments/GB"))
+        if "shared_cpu_gbps" in r:
+            table.append((what, r["shared_cpu_gbps"], "GB/s on one CPU with its engine"))
     for mode, by_n in by_mode.items():
         for n, v in by_n.items():
             for path in JUDGED:
