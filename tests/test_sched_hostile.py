@@ -8,6 +8,8 @@ with confinement required, the neighbour on VF 0 computing meanwhile.
   or be reset.
 - Threads a kernel creates while its engine is raised for a stop inherited SCHED_FIFO,
   and kept it. No tenant thread may run at a real-time policy.
+- An engine runs at ENGINE_POLICY (SCHED_BATCH, device/emu.py) between stops, every
+  thread of it, and is back at it after each stop it was raised for.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from typing import Any
 import pytest
 
 from confine_env import hostile_scene
+from gpuvirt.device.emu import ENGINE_POLICY
 from gpuvirt.errors import GpuvirtError
 from helpers import MakeHost
 
 pytestmark = pytest.mark.timeout(120)
 STORM_S = 3.0  # how long the attacker keeps at it: hundreds of the neighbour's slices
+REAL_TIME = (os.SCHED_FIFO, os.SCHED_RR)
 
 
 def k_cancel_stops(xp: Any, seconds: float) -> int:
@@ -46,7 +50,7 @@ def k_threads_while_raised(xp: Any, seconds: float, most: int) -> int:
     forever = threading.Event()
     started = 0
     while time.monotonic() < end:
-        if started < most and os.sched_getscheduler(0) != os.SCHED_OTHER:
+        if started < most and os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR):
             threading.Thread(target=forever.wait, daemon=True).start()
             started += 1
     return started
@@ -69,7 +73,7 @@ def test_a_tenant_that_cancels_its_stop_never_gets_its_neighbour_reset(
         assert _flrs(sc.hp, 0) == []
         # No engine is left raised: a tenant at SCHED_FIFO would keep the device's CPU.
         for vf in (0, 1):
-            assert os.sched_getscheduler(sc.engine_pid(vf)) == os.SCHED_OTHER
+            assert os.sched_getscheduler(sc.engine_pid(vf)) == ENGINE_POLICY
 
 
 def test_no_tenant_thread_ever_runs_at_a_real_time_policy(make_host: MakeHost) -> None:
@@ -86,7 +90,23 @@ def test_no_tenant_thread_ever_runs_at_a_real_time_policy(make_host: MakeHost) -
                 policy = os.sched_getscheduler(int(tid))
             except ProcessLookupError:
                 continue
-            if policy != os.SCHED_OTHER:
+            if policy in REAL_TIME:
                 raised.append((int(tid), policy))
         assert raised == [], (started, raised)
         assert sc.neighbour_ok()
+
+
+def test_every_engine_thread_runs_at_the_engine_policy_between_stops(
+    make_host: MakeHost,
+) -> None:
+    """SCHED_BATCH: a COPY_IN or LAUNCH waking the engine never preempts the host task
+    running on the device's CPU (a NetGPU receiver, say) at once."""
+    with hostile_scene(make_host) as sc:
+        sc.conn.send(("busy", 0.5))  # switches: each engine raised and lowered again
+        assert sc.conn.poll(60) and sc.conn.recv() is True
+        for vf in (0, 1):
+            engine = sc.engine_pid(vf)
+            policies = {
+                int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{engine}/task")
+            }
+            assert set(policies.values()) == {ENGINE_POLICY}, (vf, policies)

@@ -53,7 +53,7 @@ from gpuvirt.bench import netgpu_cpu
 from gpuvirt.bench import netgpu_figures as figures
 from gpuvirt.bench.common import MIN_ROUNDS, Result, scratch_host
 from gpuvirt.bench.netgpu_figures import MODES, PATHS, STREAMS
-from gpuvirt.bench.netgpu_send import MESSAGE, place_sender, sender_main, stream_sha256
+from gpuvirt.bench.netgpu_send import MESSAGE, place, sender_cc, sender_main, stream_sha256
 from gpuvirt.device.cuda import STAGING_SIZE
 from gpuvirt.guest.memory import Buffer
 from gpuvirt.protocol.frames import HEADER_SIZE
@@ -249,6 +249,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     sender = ctx.Process(target=sender_main, args=(child,), daemon=True)
     sender.start()
     trials: list[dict[str, Any]] = []
+    mine = os.sched_getaffinity(0)  # the receiver's, given back after the run
     try:
         with scratch_host(sriov={"vf_num": 1}, device={"backend": backend}) as hp:
             import gpuvirt
@@ -256,7 +257,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             gpu = gpuvirt.attach(0, socket=hp.socket, token=hp.token(0))
             try:
                 engine = hp.status()["vfs"][0]["engine_pid"]
-                sender_cpus = place_sender(sender.pid, engine)
+                placed = place(sender.pid, engine)
                 paths = _Paths(gpu)
                 paths.watch = {"sender": sender.pid, "engine": engine}
                 provider = paths.pool.provider.name
@@ -277,6 +278,7 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             finally:
                 gpu.close()
     finally:
+        os.sched_setaffinity(0, mine)
         parent.send(None)
         sender.join(10)
     setup = (
@@ -289,9 +291,13 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
         "SO_RCVLOWAT = a chunk (reported, not judged: a path over it is the pool's own cost)"
     )
     result = figures.result(trials, backend, per_trial, reps, provider, verified, setup)
-    result.figures["sender_cpus"] = sender_cpus
+    result.figures["sender_cpus"] = placed.sender
+    result.figures["receiver_cpus"] = placed.receiver
+    result.figures["sender_cc"] = sender_cc() or "the kernel's default"
     result.notes.append(
-        f"the sender runs on CPUs {sender_cpus}, off the engine's (netgpu_send.place_sender)"
+        f"the sender runs on CPUs {placed.sender}, off the engine's, and the receiver on "
+        f"CPUs {placed.receiver}, off the sender's (netgpu_send.place); its TCP congestion "
+        f"control is {result.figures['sender_cc']} (netgpu_send.SENDER_CC)"
     )
     return result
 

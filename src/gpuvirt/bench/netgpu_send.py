@@ -11,7 +11,7 @@ import hashlib
 import os
 import select
 import socket
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,22 +35,58 @@ def stream_sha256(per_stream: int, framed: bool) -> str:
     return h.hexdigest()
 
 
-def place_sender(pid: int, engine_pid: int) -> list[int]:
-    """Keep the sender (process `pid`) off the CPUs the VF's engine runs on, and return
-    the CPUs it may use.
+# The sender's congestion control: one without the kernel's internal pacing. Under BBR
+# (a common default) each socket is paced by an hrtimer that fires on the CPU that armed
+# it. On loopback a receiver that falls behind sends the ACKs that release the sender's
+# segments, so the timer is armed on the receiver's CPU and stays there: the other
+# machine's transmit work then runs on this host's receiving CPU for the rest of the
+# stream (perf: tcp_pace_kick → tcp_write_xmit in the receiver's samples), and raw's
+# own trials scattered by 2x (docs/netgpu.md, "A fifth look"). A real link's sender
+# paces on its own machine.
+SENDER_CC = "cubic"
 
-    The sender stands in for another machine: on a real link its work is not this
-    host's. On emu the engine's CPU is the emulated device (its copy is the staged
-    path's DMA), so a sender the scheduler puts there competes with the device and not
-    with the receiver: on 2 CPUs, left to the scheduler, the sender and the receiver
-    trade CPUs within a trial and the staged rows' throughput scatters by 4x
-    (docs/netgpu.md, "The staged path"). Every path runs with the same placement.
-    Where the engine may use every CPU there is nothing to keep the sender off.
+
+def sender_cc() -> str | None:
+    """SENDER_CC where this kernel offers it, else None (the sender keeps the default)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return SENDER_CC if SENDER_CC in f.read().split() else None
+    except OSError:
+        return None
+
+
+class Placement(NamedTuple):
+    """Where a run's sender and receiver may run (CPU numbers)."""
+
+    sender: list[int]
+    receiver: list[int]
+
+
+def place(sender_pid: int, engine_pid: int) -> Placement:
+    """Keep the sender (process `sender_pid`) off the CPUs the VF's engine runs on and
+    the receiver (the calling thread) off the sender's, as two machines and a device
+    would be: the sender stands in for another machine, whose work is not this host's,
+    and on emu the engine's CPU is the emulated device (its copy is the staged path's
+    DMA). Left to the scheduler on 2 CPUs, the sender and the receiver traded CPUs
+    within a trial, and a receiver moved onto the sender's CPU ran its trial at half
+    speed (docs/netgpu.md, "The staged path"). Every path runs with the same placement.
+
+    With one CPU besides the device's, the receiver has the device's (where a host with
+    a GPU would run it too); with more, the sender takes the first half of them and the
+    receiver the rest. Where the engine may use every CPU there is nothing to keep apart.
     """
     mine = os.sched_getaffinity(0)
-    others = mine - os.sched_getaffinity(engine_pid)
-    os.sched_setaffinity(pid, others or mine)
-    return sorted(others or mine)
+    others = sorted(mine - os.sched_getaffinity(engine_pid))
+    if not others:
+        return Placement(sorted(mine), sorted(mine))
+    if len(others) == 1:
+        sender, receiver = others, sorted(mine - set(others))
+    else:
+        half = len(others) // 2
+        sender, receiver = others[:half], others[half:]
+    os.sched_setaffinity(sender_pid, sender)
+    os.sched_setaffinity(0, receiver)
+    return Placement(sender, receiver)
 
 
 def sender_main(conn: Any) -> None:
@@ -71,6 +107,10 @@ def sender_main(conn: Any) -> None:
 def _send_all(data: memoryview, port: int, streams: int, per_stream: int, framed: bool) -> None:
     """Send every stream whole, then wait until the receiver has closed each."""
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+    cc = sender_cc()
+    if cc is not None:
+        for s in socks:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
     ep = select.epoll()
     state: dict[int, list[Any]] = {}  # fd → [socket, stream, bytes sent, seq, pending views]
     for i, s in enumerate(socks):

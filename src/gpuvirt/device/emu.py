@@ -110,6 +110,7 @@ class EmuEngine(ProcessEngine):
         # thread: a posted IDLE (host/sched/switch.py) relies on all engines sharing it.
         for tid in _tasks(self.pid):
             os.sched_setaffinity(tid, self._cpus)
+            _set_policy(tid, ENGINE_POLICY, 0)
         if self.after_init is not None:
             self.after_init()
             self.after_init = None
@@ -183,7 +184,7 @@ class EmuEngine(ProcessEngine):
 
     def _unboost(self) -> None:
         if self._boosted:
-            _set_policy(self.pid, os.SCHED_OTHER, 0)
+            _set_policy(self.pid, ENGINE_POLICY, 0)
             self._boosted = False
 
     def _do_run(self, timeout: float) -> None:
@@ -200,6 +201,16 @@ class EmuEngine(ProcessEngine):
 
 
 STOP_PRIORITY = 1  # SCHED_FIFO, below the scheduler thread's (defaults.RT_PRIORITY)
+# An emulated device runs beside the host's work, as a GPU's engines do, and never
+# takes the CPU from a host task at its wake-up: SCHED_BATCH has a normal task's
+# weight (its fair share, and its slice, when the CPU is contended) but no wake-up
+# preemption, so a COPY_IN or a LAUNCH arriving while the guest runs on the device's
+# CPU waits for that task to sleep or to finish its slice. At SCHED_OTHER each staged
+# NetGPU batch woke the engine into the receiver's system call: it was preempted
+# holding its socket, and loopback then ran the sender's TCP work on its CPU, on its
+# account (docs/netgpu.md, "A fifth look"). SCHED_IDLE would also stop that, but
+# starves the device behind any busy host task.
+ENGINE_POLICY = os.SCHED_BATCH
 _SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)  # in /proc/<pid>/status's pending masks
 
 
