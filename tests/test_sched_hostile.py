@@ -50,7 +50,7 @@ def k_threads_while_raised(xp: Any, seconds: float, most: int) -> int:
     forever = threading.Event()
     started = 0
     while time.monotonic() < end:
-        if started < most and os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR):
+        if started < most and os.sched_getscheduler(0) in REAL_TIME:
             threading.Thread(target=forever.wait, daemon=True).start()
             started += 1
     return started
