@@ -44,7 +44,7 @@ def syscall(nr: int, *args: int) -> str:
 SYS = {
     "ptrace": 101, "process_vm_readv": 310, "mount": 165, "keyctl": 250, "bpf": 321,
     "perf_event_open": 298, "kexec_load": 246, "unshare": 272, "setns": 308, "fork": 57,
-    "vfork": 58, "clone": 56, "clone3": 435,
+    "vfork": 58, "clone": 56, "clone3": 435, "sched_setattr": 314,
 }  # fmt: skip
 SIGCHLD = 17
 CLONE_NEWUSER = 0x10000000
@@ -149,6 +149,9 @@ def k_syscalls(xp: Any) -> dict[str, str]:
         "subprocess": attempt(lambda: __import__("subprocess").run(["/usr/bin/true"])),
         # off the device's CPU it would run beside the next VF while its stop is posted
         "sched_setaffinity": attempt(os.sched_setaffinity, 0, set(range(os.cpu_count() or 1))),
+        # back to SCHED_OTHER's wake-up preemption on the device's CPU
+        "sched_setscheduler": attempt(os.sched_setscheduler, 0, os.SCHED_OTHER, os.sched_param(0)),
+        "sched_setattr": syscall(SYS["sched_setattr"], 0, 0, 0),
     }
     # threads are allowed: numpy and CuPy need them
     done = threading.Event()

@@ -34,6 +34,11 @@ DENIED = (
     # The engine stays on the device's CPU, where the host places it: the world switch
     # posts a stop on the premise that no thread of it runs while the host's does.
     "sched_setaffinity",
+    # And at the policy the host gives it (emu's ENGINE_POLICY, SCHED_BATCH: no wake-up
+    # preemption of the host's tasks on the device's CPU). Unprivileged, a tenant could
+    # still move its threads between the normal policies; real-time needs a capability
+    # the engine does not have. The host sets the policy from outside (device/emu.py).
+    "sched_setscheduler", "sched_setattr",
 )  # fmt: skip
 # Answered with ENOSYS, as a kernel without io_uring would (libraries then fall back to
 # plain reads and writes): an SQPOLL ring's kernel thread runs off the device's CPU, and
