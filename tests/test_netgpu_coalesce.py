@@ -23,6 +23,7 @@ import pytest
 import gpuvirt
 from gpuvirt.bench.common import scratch_host
 from gpuvirt.netgpu import NetGPUError
+from gpuvirt.netgpu.coalesce import WINDOW_MARKS
 from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,6 +127,31 @@ def test_a_sparse_stream_is_delivered_without_waiting_for_more(gpu: Any, streams
             t.join()
     assert not errors, errors
     assert sorted(got.values()) == [b"".join(messages)] * streams
+
+
+def test_several_coalesced_streams_keep_a_window_of_several_chunks(gpu: Any) -> None:
+    """Setting a chunk's SO_RCVLOWAT, Linux clamps the socket's window to that chunk
+    (tcp_set_rcvlowat). A window of one chunk closes just as epoll reports the socket, and
+    the sender then stops at every chunk; a coalesced stream among several keeps
+    WINDOW_MARKS chunks (as far as net.ipv4.tcp_rmem lets it) and still waits for one."""
+    chunk = 1 << 20
+    with open("/proc/sys/net/ipv4/tcp_rmem") as f:
+        most = int(f.read().split()[2]) // 2  # the kernel's cap on a mark, and so the clamp
+    with gpu.netgpu.pool(nbytes=8 * chunk, chunk=chunk) as pool:
+        rx = pool.listen(("127.0.0.1", 0), streams=2, timeout=RX_TIMEOUT, coalesce_ms=5)
+        peers = [socket.create_connection(rx.address) for _ in range(2)]
+        for p in peers:
+            p.sendall(b"x")  # below the mark: the sweep reads it within a period
+        frag = next(rx)  # by now both connections are the Rx's streams
+        pool.release([frag.token])
+        socks = [s.sock for s in rx._all]  # the Rx's own sockets: no public view of them
+        assert len(socks) == 2
+        for sock in socks:
+            clamp = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP)
+            assert clamp >= min(WINDOW_MARKS * chunk, most) > chunk, clamp
+        rx.close()
+        for p in peers:
+            p.close()
 
 
 def test_a_silent_coalesced_stream_still_times_out(gpu: Any) -> None:

@@ -21,7 +21,8 @@ Paths, all receiving the same bytes from the same sender process, in one run:
   view of the FB on emu; on cuda the staged write a Buffer does), what an
   application does without NetGPU.
 - raw-lowat (reported, not judged): the raw loop on sockets with SO_RCVLOWAT =
-  a chunk, the mark NetGPU's receivers set (netgpu/stream.py): the kernel then
+  a chunk, the mark NetGPU's receivers set (netgpu/stream.py; with several
+  streams, over the wider window they open, netgpu/coalesce.py): the kernel then
   wakes a reader once per chunk instead of once per arriving burst, which is
   most of what zerocopy saves over raw. zerocopy over raw-lowat is what the
   pool's own bookkeeping costs.
@@ -56,6 +57,7 @@ from gpuvirt.bench.netgpu_figures import MODES, PATHS, STREAMS
 from gpuvirt.bench.netgpu_send import MESSAGE, place, sender_cc, sender_main, stream_sha256
 from gpuvirt.device.cuda import STAGING_SIZE
 from gpuvirt.guest.memory import Buffer
+from gpuvirt.netgpu.coalesce import open_window
 from gpuvirt.protocol.frames import HEADER_SIZE
 
 CHUNK = 1 << 20
@@ -233,6 +235,8 @@ class _Paths:
             send(ls.getsockname()[1])
             socks = [ls.accept()[0] for _ in payloads]
         for s in socks:
+            if lowat > 1 and len(socks) > 1:  # as NetGPU's receivers of several streams do
+                open_window(s, lowat)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
         return _drain(socks, payloads, framed)
 
