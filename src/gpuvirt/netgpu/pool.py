@@ -195,7 +195,9 @@ class Pool:
         The socket is listening when this returns (`rx.address` has the port).
         Raw streams are numbered in accept order. A framed message may be at
         most `max_message` bytes, by default the pool's share per stream.
-        coalesce_ms as for `receive`: it applies while one stream is read alone.
+        coalesce_ms as for `receive`; while several streams are open, epoll reports a
+        socket once a chunk's worth is queued, and the sockets holding less are read
+        every period (netgpu/coalesce.py).
         """
         if streams < 1:
             raise NetGPUError(f"streams = {streams}: need at least one")
