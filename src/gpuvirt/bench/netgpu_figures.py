@@ -54,7 +54,8 @@ def result(
             )
         if path == "staged" and ENGINE in trials[0]:
             # The rate of a receiver and an engine sharing one CPU and keeping it busy:
-            # where staged runs at it, that CPU is the limit (docs/netgpu.md, "A fourth look").
+            # where staged runs at it, that CPU is the limit (docs/netgpu-staged-log.md,
+            # "A fourth look").
             cpu, eng = pick(mode, path, n, "cpu_s_per_gb"), pick(mode, path, n, ENGINE)
             r["shared_cpu_gbps"] = round(
                 statistics.median(1 / (c + e) for c, e in zip(cpu, eng, strict=True)), 3

@@ -42,7 +42,7 @@ def stream_sha256(per_stream: int, framed: bool) -> str:
 # machine's transmit work then runs on this host's receiving CPU for the rest of the
 # stream (perf: tcp_pace_kick → tcp_write_xmit in the receiver's samples); on a 2-CPU
 # VM raw's own trials ran at 2.5-3.3 GB/s under BBR against 4.4-5.8 under cubic
-# (docs/netgpu.md, "A fifth look"). A real link's sender paces on its own machine.
+# (docs/netgpu-staged-log.md, "A fifth look"). A real link's sender paces on its own machine.
 SENDER_CC = "cubic"
 
 
@@ -70,7 +70,7 @@ def place(sender_pid: int, engine_pid: int) -> Placement:
     DMA). Left to the scheduler on 2 CPUs, the sender and the receiver traded CPUs
     within a trial, and the staged trials that ended with the receiver on the sender's
     CPU ran at 2.3-2.4 GB/s against 4-6 for the others (docs/netgpu.md, "The staged
-    path" and "A fifth look"). Every path runs with the same placement.
+    path"; docs/netgpu-staged-log.md, "A fifth look"). Every path runs with the same placement.
 
     With one CPU besides the device's, the receiver has the device's (where a host with
     a GPU would run it too); with more, the sender takes the first half of them and the

@@ -207,7 +207,7 @@ STOP_PRIORITY = 1  # SCHED_FIFO, below the scheduler thread's (defaults.RT_PRIOR
 # preemption, so a COPY_IN or a LAUNCH arriving while the guest runs on the device's
 # CPU waits for that task to sleep or to finish its slice. At SCHED_OTHER each staged
 # NetGPU batch woke the engine into the receiver's recv: 350-560 preemptions per GB,
-# 4-110 at SCHED_BATCH (docs/netgpu.md, "A fifth look"). SCHED_IDLE would stop them
+# 4-110 at SCHED_BATCH (docs/netgpu-staged-log.md, "A fifth look"). SCHED_IDLE would stop them
 # too, but starves the device behind any busy host task.
 ENGINE_POLICY = os.SCHED_BATCH
 _SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)  # in /proc/<pid>/status's pending masks

@@ -50,7 +50,7 @@ MAX_COALESCE_MS = 1000.0  # beyond this a "coalesced" read is just a stalled str
 # closes just as epoll reports the socket: the sender stops at every chunk, and the ACK
 # that reopens the window runs its queued transmits on the reader's CPU, inside the
 # reader's recv (on loopback). Framed · 4, staged, on a 2-CPU VM, 10 alternations: 4.62
-# GB/s (median) with one mark's window, 5.29 with four (docs/netgpu.md, "A sixth look").
+# GB/s (median) with one mark's window, 5.29 with four (docs/netgpu-staged-log.md, "A sixth look").
 WINDOW_MARKS = 4
 
 
