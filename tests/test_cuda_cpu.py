@@ -412,6 +412,47 @@ def test_cuda_staging_provider_lands_a_stream_and_tracks_completion(emu_gpu: Any
     fb.close()
 
 
+def test_cuda_staging_reads_cycle_one_batch_and_one_chunk_of_staging(emu_gpu: Any) -> None:
+    """A staged pool's reads land in RING_CHUNKS staging chunks however much staging is
+    free: one batch of copies and the chunk filled beside it. A receive's CPU grows with
+    the chunks its socket copy is spread over (docs/netgpu-staged-log.md, "A seventh
+    look"), and a ring of two batches spread it over 8."""
+    import threading
+
+    from gpuvirt.netgpu.providers.cuda_staging import (
+        BATCH_CHUNKS,
+        RING_CHUNKS,
+        CudaStagingProvider,
+        DeviceRange,
+    )
+
+    fb = _staged(emu_gpu, 4096)
+    assert fb.staging.free_bytes >= 2 * RING_CHUNKS * 4096  # room for a larger ring
+    p = CudaStagingProvider()
+    p.attach(fb, max_chunk=4096)
+    data = np.random.default_rng(5).integers(0, 256, 64 * 4096, dtype=np.uint8)
+    buf = emu_gpu.alloc(data.size, np.uint8)
+    rx, tx = socket.socketpair()
+    sender = threading.Thread(target=lambda: (tx.sendall(data.tobytes()), tx.close()))
+    sender.start()
+    recv = p.reader(rx)
+    landed_in: set[int] = set()  # staging addresses the reads went to
+    pos = 0
+    try:
+        while n := recv(DeviceRange(buf.offset + pos, data.size - pos)):
+            landed_in.add(p.received().ctypes.data)
+            pos += n
+        p.flush()
+        assert p.copies.batch == BATCH_CHUNKS
+    finally:
+        sender.join(10)
+        rx.close()
+        p.detach()
+        fb.close()
+    assert len(landed_in) == RING_CHUNKS == BATCH_CHUNKS + 1
+    assert np.array_equal(buf.view(), data)
+
+
 def test_staged_upload_batches_its_copies_and_says_what_landed(emu_gpu: Any) -> None:
     """One COPY_IN per `batch` chunks (one reply, one future), sent when full or when
     waited for; `landed` never sends or waits."""

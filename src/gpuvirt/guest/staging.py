@@ -207,7 +207,9 @@ class StagedUpload:
         self.staging = staging
         self.queue = queue
         self.chunk = chunk
-        # Two batches fit the ring: the engine copies one while the caller fills the next.
+        # By default two batches fit the ring: the engine copies one while the caller
+        # fills the next. NetGPU's receive asks for one batch and one chunk to fill beside
+        # it (providers/cuda_staging.py, RING_CHUNKS: fewer chunks for the socket's copy).
         self.batch = batch or max(1, nchunks // 2)
         self._offsets: list[int] = []
         try:

@@ -40,7 +40,18 @@ if TYPE_CHECKING:
 # engine (tens of µs) is small beside the copy; small enough that several are in flight.
 STAGING_CHUNK = 1 << 20
 MIN_CHUNK = 64 << 10
-MAX_CHUNKS = 8  # copies in flight per pool; more only holds staging other pools could use
+# Chunks per COPY_IN: one message, one reply and one engine wake-up per batch. Fewer
+# cost the engine more messages where it shares the receiver's CPU: on a 2-CPU VM,
+# batches of 1 / 2 / 4 ran framed · 4 at 2.95 / 3.30 / 4.32 GB/s (medians).
+BATCH_CHUNKS = 4
+# A ring of one batch and one chunk more: the receiver fills that chunk while the batch
+# copies. A larger ring overlaps more but spreads the socket's copy over more chunks,
+# and a receiver's CPU per GB grows with the chunks it cycles through (a plain receiver
+# on the 2-CPU AMD VM: 0.056 s/GB over 1 chunk, 0.071 over 5, 0.087 over 8). A ring of
+# 8 (two batches) against 5, 12 alternations of the full `bench netgpu`: staged
+# throughput 0.464 against 0.532 × raw, CPU 2.42 against 1.97 × (medians;
+# docs/netgpu-staged-log.md, "A seventh look").
+RING_CHUNKS = BATCH_CHUNKS + 1
 
 
 class DeviceRange(NamedTuple):
@@ -145,8 +156,8 @@ class CudaStagingProvider(Provider):
         chunk = chunk // 4096 * 4096
         if chunk < 4096:
             raise NetGPUError(f"staging area has {free} bytes free; too little to receive through")
-        nchunks = max(2, min(MAX_CHUNKS, free // chunk))
-        self._up = staged.upload(chunk, nchunks)
+        nchunks = max(2, min(RING_CHUNKS, free // chunk))
+        self._up = staged.upload(chunk, nchunks, batch=nchunks - 1)
 
     def detach(self) -> None:
         up, self._up = self._up, None
