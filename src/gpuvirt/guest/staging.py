@@ -207,10 +207,10 @@ class StagedUpload:
         self.staging = staging
         self.queue = queue
         self.chunk = chunk
-        # By default two batches fit the ring: the engine copies one while the caller
-        # fills the next. NetGPU's receive asks for one batch and one chunk to fill beside
-        # it (providers/cuda_staging.py, RING_CHUNKS: fewer chunks for the socket's copy).
-        self.batch = batch or max(1, nchunks // 2)
+        # By default a batch is all of the ring but the chunk the caller fills while it
+        # copies: the fewer chunks a socket's copy is spread over, the less it costs
+        # (providers/cuda_staging.py, RING_CHUNKS).
+        self.batch = batch or nchunks - 1
         self._offsets: list[int] = []
         try:
             for _ in range(nchunks):

@@ -157,7 +157,7 @@ class CudaStagingProvider(Provider):
         if chunk < 4096:
             raise NetGPUError(f"staging area has {free} bytes free; too little to receive through")
         nchunks = max(2, min(RING_CHUNKS, free // chunk))
-        self._up = staged.upload(chunk, nchunks, batch=nchunks - 1)
+        self._up = staged.upload(chunk, nchunks)  # batches of nchunks - 1
 
     def detach(self) -> None:
         up, self._up = self._up, None
