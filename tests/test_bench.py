@@ -18,7 +18,7 @@ from gpuvirt.bench.scale import fb_memory, pss_bytes
 from gpuvirt.bench.sched import busy_windows, disagreement_pp, jain, shares
 from gpuvirt.bench.sched import run as sched_run
 from gpuvirt.bench.sched_wait import WAIT_KERNEL_S, busy, parse_weights, weight_set
-from gpuvirt.bench.wait import STEP_NS, wait_log
+from gpuvirt.bench.wait import EMU_GAP_NS
 from gpuvirt.bench.windows import foreign_ns
 from gpuvirt.bench.workers import (
     CHECKPOINT_NS,
@@ -152,15 +152,50 @@ def test_spin_log_is_a_cumulative_record_in_its_own_clock() -> None:
     assert len(log) >= 5 and work[-1] > 0
 
 
-def test_wait_log_is_nominal_device_time_in_steps_its_own_clock_stamped() -> None:
-    import numpy as np
+# A child that runs emu's device-bound kernel back to back, one JSON log per line, until
+# its stdin closes: a process the test can stop with SIGSTOP, as the scheduler stops an
+# engine.
+WAIT_CHILD = """
+import json, select, sys
+import numpy as np
+from gpuvirt.bench.wait import wait_log
+while not select.select([sys.stdin], [], [], 0)[0]:
+    print(json.dumps(wait_log(np, 0.02)), flush=True)
+"""
+STOP_S = 0.1
 
-    log = wait_log(np, 0.002)
-    times = [t for t, _ in log]
-    assert times == sorted(times) and len(log) == 0.002 * 1e9 // STEP_NS + 1
-    assert [n for _, n in log] == [i * STEP_NS for i in range(len(log))]
-    # a step sleeps at least its nominal time: the work never runs ahead of the clock
-    assert log[-1][0] - log[0][0] >= log[-1][1]
+
+@pytest.mark.timeout(60)
+def test_wait_log_counts_its_own_time_and_not_a_stop() -> None:
+    """emu's device-bound kernel counts, step by step, the wall time it held the device
+    (its own wake-up late included, as a GPU kernel holds the device for all of its
+    time), and nothing of a step a stop cut: the stopped time is not its work."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", WAIT_CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        logs = [json.loads(child.stdout.readline())]  # running: kernels back to back
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(STOP_S)  # the stop's length: what must not be counted
+        os.kill(child.pid, signal.SIGCONT)
+        logs += [json.loads(child.stdout.readline()) for _ in range(3)]
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    for log in logs:
+        times = [t for t, _ in log]
+        assert times == sorted(times) and log[0][1] == 0 and log[-1][1] >= 0.02 * 1e9
+        for (ta, na), (tb, nb) in itertools.pairwise(log):
+            assert nb - na == (tb - ta if tb - ta < EMU_GAP_NS else 0), (ta, na, tb, nb)
+    # the stop fell inside a kernel (a step that counted nothing) or between two; either
+    # way the kernels' own time leaves it out
+    span = logs[-1][-1][0] - logs[0][0][0]
+    assert sum(log[-1][1] for log in logs) <= span - STOP_S * 1e9
 
 
 def test_weights_parse_and_refuse_what_is_not_a_weight_set() -> None:
@@ -292,8 +327,9 @@ def test_engine_measured_shares_sum_to_one_beside_the_schedulers(
         if key == "engine_ns":
             gap = disagreement_pp(w, vfs)
             assert gap == pytest.approx(max(100 * abs(eng[v] - sch[v]) for v in vfs))
-        else:  # the device-bound work is nominal device ns: never more than the window
-            assert 0 < busy(w, vfs) <= 1
+        else:  # the device-bound work is the kernels' own device ns, one engine running
+            # at a time: never more than the window, but for the step across its start
+            assert 0 < busy(w, vfs) <= 1 + EMU_GAP_NS / w["span_ns"]
         assert 0 < jain(list(eng.values())) <= 1.0 + 1e-9
 
 

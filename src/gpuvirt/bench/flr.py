@@ -208,7 +208,7 @@ def _spans(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str,
 
 
 def _work(report: WorkerReport, t0: int, t1: int) -> float:
-    """The device-bound workload's device time: the nominal device ns its log shows."""
+    """The device-bound workload's device time: the own device ns its log shows."""
     return work_between(report.progress, t0, t1)
 
 

@@ -1,8 +1,8 @@
 """The device-bound half of the share benches: kernels that wait (bench/wait.py).
 
 Shares, Jain's index and the work of N VFs against one alone, read from the
-kernels' own progress logs, whose work is nominal device ns: every VF's unit
-costs the same device time, so a VF's share of the work done in a window is its
+kernels' own progress logs, whose work is their own device ns: every VF's ns
+is the same device time, so a VF's share of the work done in a window is its
 share of the device, and the work done per ns of the window is the fraction of
 it the device was busy with the VFs' kernels. The scheduler's accounting of the
 same windows stands beside each figure (`_sched`).

@@ -5,11 +5,17 @@ launches it and waits. Shares must hold for such kernels as for the CPU-bound
 `spin_log` (DESIGN.md, "World switch"), so the benches run both.
 
 - **emu**: `wait_log` sleeps in steps of STEP_NS (no CPU) and logs its progress
-  after each: (CLOCK_MONOTONIC ns, nominal device ns done so far). It is an amount
-  of work (seconds / step steps), not of wall time. A stopped engine's sleep runs
-  out meanwhile, so a step cut by a stop completes at the resume: at most one step
-  (0.1 ms) per slice is counted that the VF did not hold the device for, the same
-  for every VF.
+  after each: (CLOCK_MONOTONIC ns, own device ns so far). A step counts the wall
+  time it took, its wake-up late included: a waiting kernel holds the device for
+  all of it, as a GPU kernel does, and what the host's timer adds is not time the
+  scheduler lost. (Counting nominal steps instead, as until 2026-12-07, left the
+  VM's 20-50 us of wake-up per 0.1 ms step out of every figure, more of it with 8
+  VFs than with one; docs/benchmarks.md.) A stopped engine's sleep runs out
+  meanwhile, so a step that took over EMU_GAP_NS was cut by a stop and counts
+  nothing: per slice, the part of one step before the stop and the wake-up after
+  it go uncounted, alike for every VF. A stop shorter than EMU_GAP_NS would count
+  (only beside a neighbour whose slice ends under 1 ms: a 1 ms slice cut by the
+  overrun rule, or one that ran dry; the benches' VFs are busy, their slices 6 ms).
 - **cuda**: a one-thread RawKernel spins on `%globaltimer` until it has run
   `seconds` of its *own* time, writing (timer, own ns) checkpoints into device
   memory every STEP_NS: progress comes from the device, never a CPU loop. A jump of
@@ -19,8 +25,8 @@ launches it and waits. Shares must hold for such kernels as for the CPU-bound
   by an offset measured around a kernel that reads it (refreshed every
   CALIBRATE_S), so logs line up with the scheduler's snapshots.
 
-Work is nominal device ns on both: every VF's unit costs the same device time,
-so shares of work are shares of the device. `native_guest` runs the same CUDA
+Work is the kernels' own device ns on both: every VF's ns is the same device
+time, so shares of work are shares of the device. `native_guest` runs the same CUDA
 kernel from a plain process (no gpuvirt), for the driver's time-slicing baseline.
 """
 
@@ -33,6 +39,7 @@ from typing import Any
 
 STEP_NS = 100_000  # one step of progress: emu's sleep, cuda's checkpoint interval
 GAP_NS = 10_000  # a timer jump longer than this between two reads: the kernel was off
+EMU_GAP_NS = 1_000_000  # emu: a step this long was cut by a stop (a slice is 1 ms or more)
 CALIBRATE_S = 1.0  # how often the device timer's offset to CLOCK_MONOTONIC is re-measured
 CALIBRATE_TRIES = 5  # the tightest bracket of these gives the offset
 
@@ -65,15 +72,20 @@ _gpu: dict[str, Any] = {}
 
 
 def wait_log(xp: Any, seconds: float) -> list[tuple[int, int]]:
-    """A kernel that waits on the device for `seconds` of device work; returns its
-    progress: (CLOCK_MONOTONIC ns, nominal device ns done), as spin_log's log."""
+    """A kernel that waits on the device for `seconds` of its own device time; returns
+    its progress: (CLOCK_MONOTONIC ns, own device ns so far), as spin_log's log."""
     if xp.__name__ == "cupy":
         return collect(xp, launch(xp, seconds))
-    steps = max(1, round(seconds * 1e9 / STEP_NS))
-    log = [(time.monotonic_ns(), 0)]
-    for i in range(1, steps + 1):
-        time.sleep(STEP_NS / 1e9)
-        log.append((time.monotonic_ns(), i * STEP_NS))
+    budget = max(1, round(seconds * 1e9))
+    last = time.monotonic_ns()
+    log, own = [(last, 0)], 0
+    while own < budget:
+        time.sleep(min(STEP_NS, budget - own) / 1e9)
+        now = time.monotonic_ns()
+        if now - last < EMU_GAP_NS:  # longer: the engine was stopped meanwhile
+            own += now - last
+        last = now
+        log.append((now, own))
     return log
 
 

@@ -115,7 +115,7 @@ def engine_ns(report: WorkerReport | None, t0: int, t1: int) -> float:
 
 def shares(window: dict[str, Any], vfs: list[int], key: str = "engine_ns") -> dict[int, float]:
     """Each VF's share of the device: `engine_ns` (by its kernels' own log, at its running
-    rate), `work` (the work its kernels did: the device-bound workload's nominal device
+    rate), `work` (the work its kernels did: the device-bound workload's own device
     ns) or `device_ns` (the scheduler's accounting)."""
     total = sum(window[key][vf] for vf in vfs) or 1
     return {vf: window[key][vf] / total for vf in vfs}
