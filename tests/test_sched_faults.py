@@ -175,3 +175,24 @@ def test_an_idle_signal_storm_wakes_the_thread_a_bounded_number_of_times_a_slice
     for vf, fd in enumerate(bells):
         r.sched.set_guest(vf, None).result(10)
         os.close(fd)
+
+
+def test_a_parked_vf_running_a_launch_it_never_rang_for_still_hits_job_timeout(rig) -> None:
+    """A drained VF kept on the device holds no slice and is charged nothing: were it
+    looked at again only when its doorbell rings, a launch sent without a ring would run
+    uncharged and past job_timeout for as long as nobody else wanted the device."""
+    r = rig("liquid", 1, job_timeout_s=0.3)
+    bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    r.sched.set_guest(0, bell).result(10)
+    st = r.engines[0].status  # the engine's own words, as its kernel can write them
+    os.eventfd_write(bell, 1)  # one launch...
+    wait_until(lambda: r.sched.snapshot()["current"] == 0)
+    st[Word.COMPLETED] += 1  # ...done: nothing pending, nobody else, so it parks
+    wait_until(lambda: r.sched.snapshot()["vfs"][0]["parked"])
+    st[Word.CURRENT_START_NS] = time.monotonic_ns()  # then a kernel, its doorbell never rung
+    st[Word.CURRENT_SEQ] = 1
+    assert r.faults.event.wait(30), r.sched.snapshot()["vfs"][0]
+    (vf, reason, _detail), *_ = r.faults.seen
+    assert (vf, reason) == (0, "job_timeout")
+    r.sched.set_guest(0, None).result(10)
+    os.close(bell)

@@ -5,6 +5,7 @@ processes, so every read here is bounded: a liar can only hurt itself.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -33,6 +34,11 @@ class Entry(Account):
     idle_wakes: int = 0
     busy_ref: int | None = None  # the engine's busy_ns() when its slice began
 
+    def take_doorbell(self) -> None:
+        """Count the launches rung for since the last take."""
+        if self.doorbell is not None:
+            self.submitted += drain(self.doorbell)
+
     def read_pending(self) -> int:
         """The launches queued and not completed, bounded (the counters are untrusted)."""
         done = self.engine.status[Word.COMPLETED]
@@ -40,8 +46,15 @@ class Entry(Account):
         self.pending = max(0, self.submitted - done)
         return self.pending
 
+    def engine_idle(self) -> bool:
+        """Nothing running, nothing received and not completed, by the engine's words:
+        a launch whose doorbell was never rung shows here, and a parked VF's
+        unpark does not wait for a ring that may never come."""
+        st = self.engine.status
+        return st[Word.CURRENT_SEQ] == 0 and st[Word.RECEIVED] <= st[Word.COMPLETED]
+
     def device_now(self, now: int, running: bool) -> int:
-        return self.device_ns + (now - self.run_start if running else 0)
+        return self.device_ns + (now - self.run_start if running and not self.parked else 0)
 
     def kernel_overrun(self, now: int, running: bool, limit_ns: int) -> str | None:
         """Why the running kernel is past job_timeout, or None. job_timeout counts a
@@ -72,10 +85,11 @@ class Entry(Account):
         st = self.engine.status
         return {
             "device_ns": self.device_now(now, running),
-            "wall_ns": self.wall_ns + (now - self.run_start if running else 0),
+            "wall_ns": self.wall_ns + self.device_now(now, running) - self.device_ns,
             "device_clock": self.engine.busy_ns() is not None,
             "switches_in": self.switches_in,
             "running": running,
+            "parked": self.parked,
             "weight": self.weight,
             "next_weight": self.next_weight,
             "pending": max(0, self.submitted - st[Word.COMPLETED]) if self.has_guest else 0,
@@ -124,3 +138,11 @@ def disagreement(rows: Iterable[dict[str, Any]]) -> None:
     for r in rows:
         gap = 100 * (r["device_ns"] / dev - r["wall_ns"] / wall)
         r["disagree_pp"] = round(gap, 3) if r["device_clock"] else None
+
+
+def drain(fd: int) -> int:
+    """An eventfd's count (0 if nothing was written since the last drain)."""
+    try:
+        return os.eventfd_read(fd)
+    except BlockingIOError:
+        return 0

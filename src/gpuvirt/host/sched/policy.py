@@ -12,6 +12,10 @@ Policies (GIM's names):
 
 A VF that overran its slice has the excess taken off its next slice, never
 below half a slice (GIM's overrun rule).
+
+A work-conserving policy keeps a drained VF on the device when nobody else wants it
+(its next launch then runs without a switch). Such a VF is parked: it holds no slice
+and is charged nothing until that launch, so idling there costs it no share later.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Account:
     candidate: bool = False
     left_at: int = 0  # when it last stopped being a candidate (weighted)
     next_weight: float | None = None  # set while running: takes effect when the slice ends
+    parked: bool = False  # on the device, drained, holding no slice (module docstring)
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,8 @@ class Rules:
             a.candidate = a in cands
 
     def should_yield(self, cur: Account, exclusive: int | None) -> bool:
-        """Work-conserving: a running VF with nothing pending gives the device up."""
+        """Work-conserving: a running VF with nothing pending gives the device up, or,
+        kept there because nobody else wants it, parks."""
         return self.work_conserving and exclusive is None and cur.pending == 0
 
     def others_waiting(

@@ -36,11 +36,11 @@ from gpuvirt.device.base import Engine, SwitchLimits
 from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
 from gpuvirt.host.priority import raise_priority
-from gpuvirt.host.sched.entry import Entry, SchedStats, disagreement
+from gpuvirt.host.sched.entry import Entry, SchedStats, disagreement, drain
 from gpuvirt.host.sched.fullaccess import Exclusive
 from gpuvirt.host.sched.policy import Policy, Rules
 from gpuvirt.host.sched.switch import Switcher
-from gpuvirt.host.sched.watch import Watches, drain
+from gpuvirt.host.sched.watch import Watches
 
 # (vf or None for the whole device, reason, detail); called on the scheduler thread
 FaultHandler = Callable[[int | None, str, str], None]
@@ -172,10 +172,11 @@ class Scheduler:
             # its pending count is judged, or the launches completed since it was last
             # read make a VF with work read 0 at its slice's end, leave the candidates
             # and lose the device (docs/architecture.md, "A world switch").
-            self._take_doorbell(cur)
+            cur.take_doorbell()
             cur.read_pending()
         ends = (
             cur is None
+            or cur.parked  # it holds no slice: whoever has work may take the device
             or now >= self._slice_end
             or self._yields(cur)
             or self.rules.should_preempt(cur, list(self.entries.values()), self.exclusive.vf, now)
@@ -187,10 +188,8 @@ class Scheduler:
             nxt = self._pick(keep=None if ends else cur)
             if nxt is not cur:
                 self._switch(nxt)
-            elif cur is not None and ends:
-                t = time.monotonic_ns()
-                self._end_slice(cur, t)
-                self._begin_slice(cur, t)
+            elif cur is not None:
+                self._keep(cur, ends)
             if self.current is not None:
                 self._slice_end = self.current.run_start + self.current.slice_ns
                 self.exclusive.running(self.current.vf)
@@ -198,7 +197,10 @@ class Scheduler:
         self._culprit = None
         timeout = None
         if self.current is not None:
-            timeout = max(0.0, (self._slice_end - time.monotonic_ns()) / 1e9)
+            # Parked, it is still looked at once a slice: a launch it never rang for runs
+            # uncharged and unwatched by job_timeout until then.
+            left = self._slice_end - time.monotonic_ns()
+            timeout = self.slice_ns / 1e9 if self.current.parked else max(0.0, left / 1e9)
         ready = self._w.select(timeout)
         if ready:
             self.stats.wakeups += 1
@@ -238,7 +240,7 @@ class Scheduler:
                 self._w.unidle(entry)
         elif kind == "doorbell":
             assert entry is not None and entry.doorbell is not None
-            entry.submitted += drain(entry.doorbell)
+            entry.take_doorbell()
             if entry.read_pending() > 0:
                 # It has work: more rings change nothing until it has run.
                 self._w.undoorbell(entry)
@@ -261,7 +263,7 @@ class Scheduler:
             self._culprit = e
             # Only a VF with nothing queued needs its new rings counted to be picked.
             if e.read_pending() == 0 and conserving and e.has_guest and e is not self.current:
-                self._take_doorbell(e)
+                e.take_doorbell()
                 e.read_pending()
         self._culprit = None
         nxt = self.rules.pick(
@@ -270,16 +272,32 @@ class Scheduler:
         assert nxt is None or isinstance(nxt, Entry)
         return nxt
 
+    def _keep(self, cur: Entry, ends: bool) -> None:
+        """The running VF stays on the device. Drained (nobody else wants the device, or
+        it would have gone), it parks: its slice is charged up to now and no other begins
+        until its doorbell rings or its engine shows work, so the time it idles there is
+        no share it used."""
+        t = time.monotonic_ns()
+        drained = self.rules.should_yield(cur, self.exclusive.vf) and cur.engine_idle()
+        if cur.parked and not drained:  # its next launch (or FULLACCESS): a slice again
+            cur.parked = False
+            self._w.undoorbell(cur, take=True)
+            self._begin_slice(cur, t)
+        elif not cur.parked and ends:
+            self._end_slice(cur, t)
+            if drained:
+                cur.parked = True
+                self._w.unidle(cur)
+                self._w.doorbell(cur)
+            else:
+                self._begin_slice(cur, t)
+
     def _yields(self, cur: Entry) -> bool:
         """Whether the running VF drained while others wait (its pending count was read,
         doorbell first, at this wake-up)."""
         if not self.rules.work_conserving or not cur.engine.notifies_idle:
             return False
         return self.rules.should_yield(cur, self.exclusive.vf)
-
-    def _take_doorbell(self, e: Entry) -> None:
-        if e.doorbell is not None:
-            e.submitted += drain(e.doorbell)
 
     def _arm_idle_notify(self) -> None:
         """Ask the running engine to signal when it drains, only while someone waits."""
@@ -290,7 +308,7 @@ class Scheduler:
         others = self.rules.others_waiting(cur, list(self.entries.values()), self.exclusive.vf)
         cur.engine.notify_idle(others)
         if others:
-            self._take_doorbell(cur)
+            cur.take_doorbell()
             if cur.read_pending() == 0:
                 os.eventfd_write(self._wake, 1)  # drained before the flag was up
 
@@ -323,7 +341,11 @@ class Scheduler:
             self._culprit = cur
             self.current = None
             self._w.unidle(cur)
-            self._end_slice(cur, t0, busy)
+            if cur.parked:  # its slice was charged when it parked
+                cur.parked = False
+                self._w.undoorbell(cur)
+            else:
+                self._end_slice(cur, t0, busy)
             if idle_error is not None:
                 self._fault(cur, "idle_failed", str(idle_error))
             else:
@@ -343,7 +365,7 @@ class Scheduler:
         self.stats.lost_ns += t1 - t0
         self.current = nxt
         nxt.switches_in += 1
-        self._unwatch_doorbell(nxt)
+        self._w.undoorbell(nxt, take=True)
         self._begin_slice(nxt, t1)
 
     def _begin_slice(self, e: Entry, now: int) -> None:
@@ -370,7 +392,7 @@ class Scheduler:
     def _fault(self, e: Entry, reason: str, detail: str) -> None:
         """Stop scheduling a VF that hung, died or broke this thread; ask for its reset.
         Each step is best effort: the fault may be in the very fd or engine it touches."""
-        e.faulted = True
+        e.faulted, e.parked = True, False
         with contextlib.suppress(Exception):
             self._w.discard(e.engine.exit_fd())  # level-triggered: would fire forever
         self._w.undoorbell(e)
@@ -383,10 +405,6 @@ class Scheduler:
             self.current = None
             self._idle_since = time.monotonic_ns()
         self.on_fault(e.vf, reason, detail)
-
-    def _unwatch_doorbell(self, e: Entry) -> None:
-        self._w.undoorbell(e)
-        self._take_doorbell(e)
 
     # ---- ops (run on the scheduler thread) ---------------------------------------------
 
@@ -422,7 +440,7 @@ class Scheduler:
         e = self.entries.get(vf)
         if e is None:
             return  # off the schedule: it comes back with the VF's plan weight
-        if e is self.current:
+        if e is self.current:  # its slice keeps the weight it was charged at
             e.next_weight = weight
         else:
             e.weight = weight
@@ -431,11 +449,11 @@ class Scheduler:
         e = self.entries.get(vf)
         if e is None:
             return  # reset while the guest was initializing: the VF left the schedule
-        self._unwatch_doorbell(e)
+        self._w.undoorbell(e, take=True)
         e.doorbell = doorbell
         e.has_guest = doorbell is not None
         e.submitted = e.engine.status[Word.COMPLETED]
-        if e is not self.current:
+        if e is not self.current or e.parked:
             self._w.doorbell(e)
 
     def _op_stop(self) -> None:

@@ -8,7 +8,6 @@ holding it sees both whole, never a map that changes while it iterates.
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import threading
 from typing import Any
@@ -67,15 +66,10 @@ class Watches:
             self.add(e.doorbell, "doorbell", e)
             e.doorbell_watched = True
 
-    def undoorbell(self, e: Entry) -> None:
+    def undoorbell(self, e: Entry, take: bool = False) -> None:
+        """Stop watching; take: count what it rang meanwhile (it runs: nothing wakes us)."""
         if e.doorbell is not None and e.doorbell_watched:
             self.discard(e.doorbell)
             e.doorbell_watched = False
-
-
-def drain(fd: int) -> int:
-    """An eventfd's count (0 if nothing was written since the last drain)."""
-    try:
-        return os.eventfd_read(fd)
-    except BlockingIOError:
-        return 0
+        if take:
+            e.take_doorbell()
