@@ -12,7 +12,8 @@ its stop is posted and confirmed at the next wake-up; host/sched/switch.py).
 The thread runs beside the device's CPU, not on it, where there is another.
 Between switches the thread sleeps in epoll (host/sched/watch.py) on its wake fd,
 every engine's exit fd, the running engine's idle fd and, for the
-work-conserving policies, the doorbells of waiting VFs with no work yet.
+work-conserving policies, the doorbells of waiting VFs with no work yet and of
+the running one while it is parked (host/sched/policy.py).
 
 Guests and engines are untrusted (host/sched/entry.py bounds what they write):
 a VF's doorbell wakes the thread at most once between two of its slices, its
