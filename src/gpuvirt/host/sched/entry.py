@@ -53,8 +53,12 @@ class Entry(Account):
         st = self.engine.status
         return st[Word.CURRENT_SEQ] == 0 and st[Word.RECEIVED] <= st[Word.COMPLETED]
 
+    def slice_so_far(self, now: int, running: bool) -> int:
+        """The running slice's time up to now, not yet charged (0 off the device or parked)."""
+        return now - self.run_start if running and not self.parked else 0
+
     def device_now(self, now: int, running: bool) -> int:
-        return self.device_ns + (now - self.run_start if running and not self.parked else 0)
+        return self.device_ns + self.slice_so_far(now, running)
 
     def kernel_overrun(self, now: int, running: bool, limit_ns: int) -> str | None:
         """Why the running kernel is past job_timeout, or None. job_timeout counts a
@@ -85,7 +89,7 @@ class Entry(Account):
         st = self.engine.status
         return {
             "device_ns": self.device_now(now, running),
-            "wall_ns": self.wall_ns + self.device_now(now, running) - self.device_ns,
+            "wall_ns": self.wall_ns + self.slice_so_far(now, running),
             "device_clock": self.engine.busy_ns() is not None,
             "switches_in": self.switches_in,
             "running": running,
