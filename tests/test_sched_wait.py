@@ -113,6 +113,11 @@ def test_a_vf_idling_on_the_device_is_charged_nothing(make_host: MakeHost) -> No
         before = vf0()["device_ns"]
         time.sleep(IDLE_SLICES * SLICE_MS / 1000)  # the idling the VF would be charged for
         idle = vf0()
+        # Holding no slice, it has none to finish at the old weight: a new weight applies
+        # at once (it waited for the next slice's end, and that slice was charged at the
+        # old weight).
+        hp.admin.vf_set(0, weight=2)
+        assert (vf0()["weight"], vf0()["next_weight"]) == (2.0, None)
         c.send(KERNEL_S)
         assert c.recv() == "done"
         after = vf0()

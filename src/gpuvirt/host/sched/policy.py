@@ -55,7 +55,7 @@ class Account:
     slice_ns: int = 0
     candidate: bool = False
     left_at: int = 0  # when it last stopped being a candidate (weighted)
-    next_weight: float | None = None  # set while running: takes effect when the slice ends
+    next_weight: float | None = None  # set while a slice runs: takes effect when it ends
     parked: bool = False  # on the device, drained, holding no slice (module docstring)
 
 

@@ -111,7 +111,7 @@ class Scheduler:
         return self._call(self._op_remove, vf)
 
     def set_weight(self, vf: int, weight: float) -> Future[None]:
-        """`weighted`: the VF's share from its next slice on (the running one keeps its own)."""
+        """`weighted`: the VF's share from its next slice on (a running slice keeps its own)."""
         return self._call(self._op_set_weight, vf, weight)
 
     def set_guest(self, vf: int, doorbell: int | None) -> Future[None]:
@@ -441,10 +441,10 @@ class Scheduler:
         e = self.entries.get(vf)
         if e is None:
             return  # off the schedule: it comes back with the VF's plan weight
-        if e is self.current:  # its slice keeps the weight it was charged at
+        if e is self.current and not e.parked:  # its slice keeps the weight it started at
             e.next_weight = weight
-        else:
-            e.weight = weight
+        else:  # a parked VF's slice was charged when it parked
+            e.weight, e.next_weight = weight, None
 
     def _op_set_guest(self, vf: int, doorbell: int | None) -> None:
         e = self.entries.get(vf)
