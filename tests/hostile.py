@@ -232,9 +232,37 @@ def _spin_for(xp: Any, seconds: float) -> int:
     return n
 
 
+STAMP_NS = 10_000  # stamp_for's grain: far finer than any slice or CPU timeslice
+
+
+def stamp_for(xp: Any, out: Any, seconds: float) -> int:
+    """Compute for `seconds` of wall time, writing CLOCK_MONOTONIC into `out` every
+    STAMP_NS while this kernel runs (until it is full): a gap is time it was stopped."""
+    end = time.monotonic_ns() + int(seconds * 1e9)
+    n, last = 0, 0
+    while (now := time.monotonic_ns()) < end:
+        if now - last >= STAMP_NS and n < out.size:
+            out[n], last, n = now, now, n + 1
+    return n
+
+
+def k_looks_idle(xp: Any, out: Any, seconds: float) -> int:
+    """Say this launch completed and nothing runs (its engine's own words, as any kernel
+    can write them), then compute on, stamping as it goes."""
+    import gc
+
+    from gpuvirt.device.status import StatusArea, Word
+
+    st = next(o for o in gc.get_objects() if isinstance(o, StatusArea))
+    st[Word.COMPLETED] += 1
+    st[Word.CURRENT_SEQ] = 0
+    return stamp_for(xp, out, seconds)
+
+
 def neighbour(conn: Connection, sock: str, token: str, nbytes: int) -> None:
     """VF 0's tenant: a secret in its FB; answers 'check' (secret intact and a launch
-    through), 'busy S' (a kernel that computes for S seconds) and 'close'."""
+    through), 'busy S' (a kernel that computes for S seconds), 'stamps S' (the same,
+    returning stamp_for's stamps) and 'close'."""
     gpu = gpuvirt.attach(vf=0, socket=sock, token=token)
     buf = gpu.alloc(nbytes, np.uint8)
     buf.write(np.full(nbytes, SECRET, np.uint8))
@@ -247,6 +275,11 @@ def neighbour(conn: Connection, sock: str, token: str, nbytes: int) -> None:
             conn.send(bool((data == SECRET).all()) and total == SECRET * nbytes)
         elif isinstance(cmd, tuple) and cmd[0] == "busy":
             conn.send(gpu.launch(_spin_for, cmd[1]).result(60) > 0)
+        elif isinstance(cmd, tuple) and cmd[0] == "stamps":
+            out = gpu.alloc(int(cmd[1] * 1e9) // STAMP_NS, np.int64)
+            n = gpu.launch(stamp_for, out, cmd[1]).result(60)
+            conn.send(out.read()[:n])
+            out.free()
         else:
             gpu.close()
             conn.send("closed")

@@ -10,6 +10,10 @@ with confinement required, the neighbour on VF 0 computing meanwhile.
   and kept it. No tenant thread may run at a real-time policy.
 - An engine runs at ENGINE_POLICY (SCHED_BATCH, device/emu.py) between stops, every
   thread of it, and is back at it after each stop it was raised for.
+- A kernel that writes its engine's words to say "done, nothing running" while it
+  computes gets its VF parked (host/sched/policy.py): on the device, uncharged. That
+  is device time nobody else wanted; once the neighbour has work, the liar is stopped
+  like any VF before the neighbour runs.
 """
 
 from __future__ import annotations
@@ -21,16 +25,19 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from confine_env import hostile_scene
 from gpuvirt.device.emu import ENGINE_POLICY
 from gpuvirt.errors import GpuvirtError
-from helpers import MakeHost
+from helpers import MakeHost, wait_until
+from hostile import STAMP_NS, k_looks_idle
 
 pytestmark = pytest.mark.timeout(120)
 STORM_S = 3.0  # how long the attacker keeps at it: hundreds of the neighbour's slices
 REAL_TIME = (os.SCHED_FIFO, os.SCHED_RR)
+STOPPED_NS = 1_000_000  # a gap between two of a kernel's stamps this long: it was not running
 
 
 def k_cancel_stops(xp: Any, seconds: float) -> int:
@@ -110,3 +117,33 @@ def test_every_engine_thread_runs_at_the_engine_policy_between_stops(
                 int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{engine}/task")
             }
             assert set(policies.values()) == {ENGINE_POLICY}, (vf, policies)
+
+
+def test_a_kernel_that_says_it_is_idle_is_still_stopped_before_its_neighbour_runs(
+    make_host: MakeHost,
+) -> None:
+    with hostile_scene(make_host) as sc:
+        stamps = sc.gpu.alloc(int(4 * STORM_S * 1e9) // STAMP_NS, np.int64)
+        sc.gpu.launch(k_looks_idle, stamps, 4 * STORM_S)  # never resumed: not awaited
+        wait_until(lambda: sc.hp.admin.request("GET", "/sched")["vfs"]["1"]["parked"])
+        wait_until(lambda: stamps.read()[0], what="the liar computing")
+        before = sc.hp.admin.request("GET", "/sched")["switches"]
+        sc.conn.send(("stamps", STORM_S))
+        assert sc.conn.poll(60), "the neighbour's kernel never finished"
+        theirs = sc.conn.recv()
+        switches = sc.hp.admin.request("GET", "/sched")["switches"] - before
+        mine = stamps.read()
+        mine = mine[mine > 0]
+        assert sc.neighbour_ok()
+        assert _flrs(sc.hp, 0) == []
+    # Were the liar left running beside the neighbour (it "has nothing to stop"), their
+    # stamps would interleave at the CPU's timeslices: far more runs than switches.
+    t = np.concatenate([mine, theirs])
+    who = np.concatenate([np.zeros(mine.size), np.ones(theirs.size)])
+    order = who[np.argsort(t, kind="stable")]
+    runs = int(np.count_nonzero(order[1:] != order[:-1])) + 1
+    assert runs <= switches + 1, (runs, switches)
+    # And it gets the device: the liar, with nothing pending by its own words, is no
+    # candidate for it while the neighbour computes.
+    ran = np.diff(theirs)
+    assert ran[ran < STOPPED_NS].sum() > 0.5 * (theirs[-1] - theirs[0]), ran.max()
