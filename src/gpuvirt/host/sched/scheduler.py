@@ -2,7 +2,7 @@
 
 Runs in its own thread with the monotonic clock, so mailbox or admin traffic
 on the asyncio loop never delays a switch. The loop talks to it only through
-`Scheduler` methods, which queue an op and ring the scheduler's wake eventfd;
+`Scheduler` methods, which queue an op and wake the thread (host/sched/ops.py);
 results come back as concurrent futures. What to run and when a slice ends is
 decided by host/sched/policy.py from numbers this thread reads for it.
 
@@ -27,7 +27,6 @@ import contextlib
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -39,6 +38,7 @@ from gpuvirt.errors import DeviceError
 from gpuvirt.host.priority import raise_priority
 from gpuvirt.host.sched.entry import Entry, SchedStats, disagreement, drain
 from gpuvirt.host.sched.fullaccess import Exclusive
+from gpuvirt.host.sched.ops import Ops
 from gpuvirt.host.sched.policy import Policy, Rules
 from gpuvirt.host.sched.switch import Switcher
 from gpuvirt.host.sched.watch import Watches
@@ -73,10 +73,9 @@ class Scheduler:
         self.current: Entry | None = None
         self.exclusive = Exclusive()
         self.stats = SchedStats()
-        self._ops: deque[tuple[Callable[[Future[Any]], None], Future[Any]]] = deque()
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._ops = Ops()
         self._w = Watches(self.rules.work_conserving)
-        self._w.add(self._wake, "wake", None)
+        self._w.add(self._ops.fd, "wake", None)
         self._sw = Switcher(SwitchLimits(cmd_s, coop_s), self.stats)
         self._stopping = False
         self._repick = True
@@ -93,7 +92,7 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        self._call(self._op_stop).result(timeout=10)
+        self._ops.call(self._op_stop).result(timeout=10)
         self._thread.join(timeout=10)
 
     def alive(self) -> bool:
@@ -104,22 +103,22 @@ class Scheduler:
         return self._thread.native_id
 
     def add(self, vf: int, engine: Engine, weight: float) -> Future[None]:
-        return self._call(self._op_add, vf, engine, weight)
+        return self._ops.call(self._op_add, vf, engine, weight)
 
     def remove(self, vf: int) -> Future[None]:
         """Take a VF off the schedule; done once its engine is idle (or dead)."""
-        return self._call(self._op_remove, vf)
+        return self._ops.call(self._op_remove, vf)
 
     def set_weight(self, vf: int, weight: float) -> Future[None]:
         """`weighted`: the VF's share from its next slice on (a running slice keeps its own)."""
-        return self._call(self._op_set_weight, vf, weight)
+        return self._ops.call(self._op_set_weight, vf, weight)
 
     def set_guest(self, vf: int, doorbell: int | None) -> Future[None]:
-        return self._call(self._op_set_guest, vf, doorbell)
+        return self._ops.call(self._op_set_guest, vf, doorbell)
 
     def set_exclusive(self, vf: int | None) -> Future[None]:
         """FULLACCESS: run only this VF; done once it runs alone. None ends it."""
-        return self._post(lambda fut: self.exclusive.grant(vf, fut))
+        return self._ops.post(lambda fut: self.exclusive.grant(vf, fut))
 
     def snapshot(self) -> dict[str, Any]:
         """Counters for status and metrics, safe from any thread."""
@@ -133,17 +132,6 @@ class Scheduler:
             "policy": str(self.policy), **self.stats.counters(now),
             "current": cur.vf if cur else None, "vfs": vfs, "watching": watching,
         }  # fmt: skip
-
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Run fn(*args) on the scheduler thread; its result answers the future."""
-        return self._post(lambda fut: fut.set_result(fn(*args)))
-
-    def _post(self, op: Callable[[Future[Any]], None]) -> Future[Any]:
-        """Run op(fut) on the scheduler thread; op answers fut, now or later."""
-        fut: Future[Any] = Future()
-        self._ops.append((op, fut))
-        os.eventfd_write(self._wake, 1)
-        return fut
 
     # ---- the scheduler thread ----------------------------------------------------------
 
@@ -209,7 +197,8 @@ class Scheduler:
             self._culprit = entry
             self._event(kind, entry)
         self._culprit = None
-        self._run_ops()
+        if self._ops.run():
+            self._repick = True
 
     def _contain(self, exc: Exception) -> None:
         """Blame the VF being handled (the host resets it) or, with none, the device."""
@@ -232,7 +221,7 @@ class Scheduler:
 
     def _event(self, kind: str, entry: Entry | None) -> None:
         if kind == "wake":
-            drain(self._wake)
+            self._ops.woken()
         elif kind == "idle":
             assert entry is not None
             drain(entry.engine.idle_fd())
@@ -247,16 +236,6 @@ class Scheduler:
                 self._w.undoorbell(entry)
         elif kind == "exit" and entry is not None and not entry.faulted:
             self._fault(entry, "engine_died", f"engine pid {entry.engine.pid} exited")
-
-    def _run_ops(self) -> None:
-        while self._ops:
-            op, fut = self._ops.popleft()
-            self._repick = True
-            try:
-                op(fut)
-            except Exception as e:  # a bug; hand it to the caller rather than kill the thread
-                if not fut.done():
-                    fut.set_exception(e)
 
     def _pick(self, keep: Entry | None) -> Entry | None:
         conserving = self.rules.work_conserving
@@ -311,7 +290,7 @@ class Scheduler:
         if others:
             cur.take_doorbell()
             if cur.read_pending() == 0:
-                os.eventfd_write(self._wake, 1)  # drained before the flag was up
+                self._ops.wake()  # drained before the flag was up
 
     def _idle_failed(self, e: Entry, detail: str) -> None:
         if not e.faulted:
