@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gpuvirt
-from gpuvirt.bench.workers import Workers, busy_guest, record
+from gpuvirt.bench.workers import Workers, busy_guest
 from gpuvirt.defaults import MAX_QUEUED
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
@@ -20,23 +20,40 @@ from gpuvirt.errors import StateError
 from helpers import MakeHost, hold_fullaccess
 
 pytestmark = pytest.mark.timeout(180)
-SAMPLES = 150_000
+SLICE_MS = 20  # a turn long enough that foreign load on the device's CPU leaves it samples
+TURNS = 8  # turns each recorder sees, whatever the machine's speed
+SAMPLES = 2_000_000  # room for TURNS turns of one-per-iteration stamps
+
+
+def record_turns(xp: Any, out: Any, turns: int) -> int:
+    """Write CLOCK_MONOTONIC into `out` every iteration until this kernel has been off
+    the device `turns` times (a gap of over a slice: a turn of another VF), or `out`
+    is full; how many it wrote."""
+    gap = SLICE_MS * 1_000_000
+    n, off, last = 0, 0, time.monotonic_ns()
+    while n < out.size and off < turns:
+        now = time.monotonic_ns()
+        off += now - last > gap
+        out[n], last, n = now, now, n + 1
+    return n
 
 
 def _recorder(conn: Connection, sock: str, vf: int, token: str) -> None:
     with gpuvirt.attach(vf=vf, socket=sock, token=token) as gpu:
         out = gpu.alloc(SAMPLES, np.int64)
-        gpu.launch(record, out, 10).result(30)  # kernel shipped and warm
+        gpu.launch(record_turns, out, 0).result(30)  # kernel shipped and warm
         conn.send("ready")
         conn.recv()
-        gpu.launch(record, out, SAMPLES).result(120)
-        conn.send(out.read())
+        n = gpu.launch(record_turns, out, TURNS).result(120)
+        conn.send(out.read()[:n])
 
 
 def test_kernels_of_two_vfs_never_run_at_once_and_round_robin_keeps_order(
     make_host: MakeHost,
 ) -> None:
-    hp = make_host(sriov={"vf_num": 3}, scheduler={"policy": "round_robin", "time_slice_ms": 4})
+    hp = make_host(
+        sriov={"vf_num": 3}, scheduler={"policy": "round_robin", "time_slice_ms": SLICE_MS}
+    )
     with Workers() as w:
         conns = [w.start(_recorder, str(hp.socket), vf, hp.token(vf)) for vf in range(3)]
         w.wait_ready()
@@ -46,7 +63,7 @@ def test_kernels_of_two_vfs_never_run_at_once_and_round_robin_keeps_order(
         samples = [c.recv() for c in conns]
         switches = hp.admin.request("GET", "/sched")["switches"] - before
     t = np.concatenate(samples)
-    who = np.concatenate([np.full(SAMPLES, vf) for vf in range(3)])
+    who = np.concatenate([np.full(len(s), vf) for vf, s in enumerate(samples)])
     order = who[np.argsort(t, kind="stable")]
     runs = order[np.r_[True, order[1:] != order[:-1]]]
     # Each run of one VF's samples needs a world switch to end: were two engines ever

@@ -138,12 +138,6 @@ def hang(xp: Any) -> None:
         pass
 
 
-def record(xp: Any, out: Any, n: int) -> None:
-    """Write the monotonic time of n consecutive moments of execution into `out`."""
-    for i in range(n):
-        out[i] = time.monotonic_ns()
-
-
 @dataclass
 class WorkerReport:
     vf: int
