@@ -7,9 +7,11 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+import numpy as np
 
 from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.cuda import APERTURE_SIZE, CoopEngine
@@ -21,6 +23,20 @@ from gpuvirt.protocol.mailbox import FRAME_SIZE, Attach, Frame, GuestMsg, HostMs
 
 MakeHost = Callable[..., HostProcess]
 T = TypeVar("T")
+
+
+def time_order(stamps: Sequence[np.ndarray]) -> np.ndarray:
+    """Whose each stamp is, over all of them in time order (stamps[i]: kernel i's
+    CLOCK_MONOTONIC stamps), for tests that judge which kernel ran when."""
+    t = np.concatenate(stamps)
+    who = np.concatenate([np.full(len(s), i) for i, s in enumerate(stamps)])
+    return who[np.argsort(t, kind="stable")]
+
+
+def runs_of(order: np.ndarray) -> np.ndarray:
+    """time_order's runs of one kernel's stamps, as that kernel's index each: a world
+    switch ends at most one run."""
+    return order[np.r_[True, order[1:] != order[:-1]]]
 
 
 def wait_until(

@@ -17,7 +17,7 @@ from gpuvirt.defaults import MAX_QUEUED
 from gpuvirt.device.base import EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.errors import StateError
-from helpers import MakeHost, hold_fullaccess
+from helpers import MakeHost, hold_fullaccess, runs_of, time_order
 
 pytestmark = pytest.mark.timeout(180)
 SLICE_MS = 20  # a turn long enough that foreign load on the device's CPU leaves it samples
@@ -62,18 +62,15 @@ def test_kernels_of_two_vfs_never_run_at_once_and_round_robin_keeps_order(
             c.send("go")
         samples = [c.recv() for c in conns]
         switches = hp.admin.request("GET", "/sched")["switches"] - before
-    t = np.concatenate(samples)
-    who = np.concatenate([np.full(len(s), vf) for vf, s in enumerate(samples)])
-    order = who[np.argsort(t, kind="stable")]
-    runs = order[np.r_[True, order[1:] != order[:-1]]]
+    order = time_order(samples)
+    runs = runs_of(order)
     # Each run of one VF's samples needs a world switch to end: were two engines ever
     # running together, their samples would interleave into far more runs than switches.
     assert len(runs) <= switches + 1, (len(runs), switches)
     # Round robin: while all three are busy, each run is followed by the next VF in turn.
     busy_until = min(s[-1] for s in samples)
-    cut = np.searchsorted(np.sort(t), busy_until)
-    head = order[:cut]
-    head_runs = head[np.r_[True, head[1:] != head[:-1]]]
+    cut = sum(int(np.count_nonzero(s < busy_until)) for s in samples)
+    head_runs = runs_of(order[:cut])
     assert len(head_runs) > 6
     assert all((b - a) % 3 == 1 for a, b in itertools.pairwise(head_runs))
 

@@ -31,7 +31,7 @@ import pytest
 from confine_env import hostile_scene
 from gpuvirt.device.emu import ENGINE_POLICY
 from gpuvirt.errors import GpuvirtError
-from helpers import MakeHost, wait_until
+from helpers import MakeHost, runs_of, time_order, wait_until
 from hostile import STAMP_NS, k_looks_idle
 
 pytestmark = pytest.mark.timeout(120)
@@ -138,10 +138,7 @@ def test_a_kernel_that_says_it_is_idle_is_still_stopped_before_its_neighbour_run
         assert _flrs(sc.hp, 0) == []
     # Were the liar left running beside the neighbour (it "has nothing to stop"), their
     # stamps would interleave at the CPU's timeslices: far more runs than switches.
-    t = np.concatenate([mine, theirs])
-    who = np.concatenate([np.zeros(mine.size), np.ones(theirs.size)])
-    order = who[np.argsort(t, kind="stable")]
-    runs = int(np.count_nonzero(order[1:] != order[:-1])) + 1
+    runs = len(runs_of(time_order([mine, theirs])))
     assert runs <= switches + 1, (runs, switches)
     # And it gets the device: the liar, with nothing pending by its own words, is no
     # candidate for it while the neighbour computes.
