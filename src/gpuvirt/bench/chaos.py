@@ -2,7 +2,8 @@
 
 DESIGN.md, "Reliability". VFs 0-3 run verified workloads (bench/tenants.py:
 matmuls checked against numpy) for the whole run; a fault injector attacks VFs
-4-7 one fault at a time, chosen at random: SIGKILL of an engine or of a guest
+4-7 one fault at a time, in random order, every kind once before any kind again
+(so a short run still meets each kind: `deal`): SIGKILL of an engine or of a guest
 that filled its FB with a pattern, hung kernels, a guest's ftruncate of its FB,
 garbage before and after ATTACH, frames cut mid-way, LOG_VF_ERROR and
 connection floods, FLR storms that trip the guard (then clear-guard),
@@ -28,7 +29,7 @@ import select
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,14 @@ PATTERN_BYTES = 4 << 20
 MiB = 1 << 20
 
 
+# The faults, each an Injector method of that name.
+KINDS = (
+    "sigkill_engine", "sigkill_guest", "hung_kernel", "guest_ftruncate", "garbage_attach",
+    "garbage_frames", "mid_frame_disconnect", "log_flood", "connection_flood", "flr_storm",
+    "enable_disable", "admin_reset",
+)  # fmt: skip
+
+
 class Injector:
     """One fault at a time at the hostile VFs; each fault returns whether it was survived."""
 
@@ -60,20 +69,7 @@ class Injector:
         self.bytes_leaked = 0
         events = hp.admin.events()
         self.seq = events[-1]["seq"] if events else 0
-        self.faults: dict[str, Callable[[int], bool]] = {
-            "sigkill_engine": self.sigkill_engine,
-            "sigkill_guest": self.sigkill_guest,
-            "hung_kernel": self.hung_kernel,
-            "guest_ftruncate": self.guest_ftruncate,
-            "garbage_attach": self.garbage_attach,
-            "garbage_frames": self.garbage_frames,
-            "mid_frame_disconnect": self.mid_frame_disconnect,
-            "log_flood": self.log_flood,
-            "connection_flood": self.connection_flood,
-            "flr_storm": self.flr_storm,
-            "enable_disable": self.enable_disable,
-            "admin_reset": self.admin_reset,
-        }
+        self.faults: dict[str, Callable[[int], bool]] = {k: getattr(self, k) for k in KINDS}
 
     def token(self, vf: int) -> str:
         return self.hp.token(vf)
@@ -268,6 +264,12 @@ def own_fb_fds(vf: int) -> list[int]:
     return out
 
 
+def deal(kinds: list[str], rng: random.Random) -> Iterator[str]:
+    """The kinds over and over, each pass shuffled: random order, even counts."""
+    while True:
+        yield from rng.sample(kinds, len(kinds))
+
+
 def run(quick: bool = False, backend: str = "emu", minutes: float | None = None) -> Result:
     minutes = minutes if minutes is not None else (0.5 if quick else 2.0)
     rng = random.Random(int.from_bytes(os.urandom(4)))
@@ -289,10 +291,11 @@ def run(quick: bool = False, backend: str = "emu", minutes: float | None = None)
             start = time.monotonic()
             deadline = start + minutes * 60
             rss = [rss_start]  # once a minute: is it flat once warm?
+            kinds = deal(list(KINDS), rng)
             while time.monotonic() < deadline and hp.alive():
                 if time.monotonic() - start >= 60 * len(rss):
                     rss.append(hp.status()["host_rss_bytes"])
-                kind = rng.choice(list(inj.faults))
+                kind = next(kinds)
                 vf = rng.choice(HOSTILE)
                 injected[kind] += 1
                 try:
