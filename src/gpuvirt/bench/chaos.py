@@ -3,7 +3,7 @@
 DESIGN.md, "Reliability". VFs 0-3 run verified workloads (bench/tenants.py:
 matmuls checked against numpy) for the whole run; a fault injector attacks VFs
 4-7 one fault at a time, in random order, every kind once before any kind again
-(so a short run still meets each kind: `deal`): SIGKILL of an engine or of a guest
+(`deal`; a run lasts at least one such pass, so even a short one meets each kind): SIGKILL of an engine or of a guest
 that filled its FB with a pattern, hung kernels, a guest's ftruncate of its FB,
 garbage before and after ATTACH, frames cut mid-way, LOG_VF_ERROR and
 connection floods, FLR storms that trip the guard (then clear-guard),
@@ -292,7 +292,8 @@ def run(quick: bool = False, backend: str = "emu", minutes: float | None = None)
             deadline = start + minutes * 60
             rss = [rss_start]  # once a minute: is it flat once warm?
             kinds = deal(list(KINDS), rng)
-            while time.monotonic() < deadline and hp.alive():
+            # the minutes asked, and one whole pass at least, however slow the machine
+            while hp.alive() and (time.monotonic() < deadline or injected.total() < len(KINDS)):
                 if time.monotonic() - start >= 60 * len(rss):
                     rss.append(hp.status()["host_rss_bytes"])
                 kind = next(kinds)

@@ -52,7 +52,10 @@ def bench(
         ),
     ] = None,
     minutes: Annotated[
-        float | None, typer.Option(min=0.05, help="chaos: how long to inject faults.")
+        float | None,
+        typer.Option(
+            min=0.05, help="chaos: how long to inject faults (at least one of each kind)."
+        ),
     ] = None,
     frames: Annotated[
         int | None, typer.Option(min=1, help="fuzz: how many frames to send.")
