@@ -1,9 +1,10 @@
 """`gpuvirt bench chaos` and `gpuvirt bench fuzz`, run as a user runs them.
 
 chaos runs for GPUVIRT_CHAOS_MINUTES (default 0.5: 39 faults on a 2-CPU VM, each of
-the 12 kinds 3 or 4 times, dealt as `bench.chaos.deal` deals them, inside the suite's 10
-minutes on 2 CPUs; the 30-minute run's figures are in bench/results/); fuzz sends a short burst here (the million-frame run is
-`gpuvirt bench fuzz --json`, its figures in bench/results/).
+the 12 kinds 3 or 4 times, dealt by `bench.chaos.deal`, inside the suite's 10 minutes
+on 2 CPUs; the 30-minute run's figures are in bench/results/); fuzz sends a short
+burst here (the million-frame run is `gpuvirt bench fuzz --json`, its figures in
+bench/results/).
 """
 
 from __future__ import annotations
