@@ -5,11 +5,10 @@ matmuls checked against numpy) for the whole run; a fault injector attacks VFs
 4-7 one fault at a time, in random order, every kind once before any kind again
 (`deal`; a run lasts one such pass at least, so even a short one meets each
 kind): SIGKILL of an engine or of a guest that filled its FB with a pattern,
-hung kernels, a guest's ftruncate of its FB,
-garbage before and after ATTACH, frames cut mid-way, LOG_VF_ERROR and
-connection floods, FLR storms that trip the guard (then clear-guard),
-disable/enable and admin resets. After a guest is killed, the next tenant of
-its VF counts the FB bytes that are not zero.
+hung kernels, a guest's ftruncate of its FB, garbage before and after ATTACH,
+frames cut mid-way, LOG_VF_ERROR and connection floods, FLR storms that trip the
+guard (then clear-guard), disable/enable and admin resets. After a guest is
+killed, the next tenant of its VF counts the FB bytes that are not zero.
 
 A fault is survived when the host is still up and the fault had the effect it
 should (EPERM for ftruncate, a reset for a hang, quarantine for a storm, the
