@@ -9,8 +9,10 @@ bench/results/).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -57,10 +59,7 @@ def test_chaos_the_host_survives_every_fault_and_honest_tenants_never_notice() -
 
 @given(st.integers(0, 2**32 - 1), st.integers(1, 5 * len(KINDS)))
 def test_chaos_deals_every_kind_once_a_pass_in_random_order(seed: int, n: int) -> None:
-    import itertools
-    import random
-
-    dealt = list(itertools.islice(deal(list(KINDS), random.Random(seed)), n))
+    dealt = list(itertools.islice(deal(KINDS, random.Random(seed)), n))
     whole, rest = divmod(n, len(KINDS))
     for p in range(whole):  # every whole pass holds each kind once
         assert sorted(dealt[p * len(KINDS) : (p + 1) * len(KINDS)]) == sorted(KINDS)
@@ -68,10 +67,7 @@ def test_chaos_deals_every_kind_once_a_pass_in_random_order(seed: int, n: int) -
 
 
 def test_chaos_passes_are_not_all_in_one_order() -> None:
-    import itertools
-    import random
-
-    dealt = list(itertools.islice(deal(list(KINDS), random.Random(0)), 4 * len(KINDS)))
+    dealt = list(itertools.islice(deal(KINDS, random.Random(0)), 4 * len(KINDS)))
     passes = {tuple(dealt[i : i + len(KINDS)]) for i in range(0, len(dealt), len(KINDS))}
     assert len(passes) > 1
 
@@ -99,8 +95,6 @@ def test_chaos_a_fault_after_an_engine_kill_finds_its_vf_settled() -> None:
     """The order that once failed in CI: an admin reset leaves an flr.done in the log,
     an engine is SIGKILLed, and the next fault's attach came before the host had seen
     the death (kill() returns first) and so met the FLR it started."""
-    import random
-
     from gpuvirt.bench.chaos import Injector
     from gpuvirt.bench.common import scratch_host
 

@@ -29,7 +29,7 @@ import select
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -264,7 +264,7 @@ def own_fb_fds(vf: int) -> list[int]:
     return out
 
 
-def deal(kinds: list[str], rng: random.Random) -> Iterator[str]:
+def deal(kinds: Sequence[str], rng: random.Random) -> Iterator[str]:
     """The kinds over and over, each pass shuffled: random order, even counts."""
     while True:
         yield from rng.sample(kinds, len(kinds))
@@ -291,7 +291,7 @@ def run(quick: bool = False, backend: str = "emu", minutes: float | None = None)
             start = time.monotonic()
             deadline = start + minutes * 60
             rss = [rss_start]  # once a minute: is it flat once warm?
-            kinds = deal(list(KINDS), rng)
+            kinds = deal(KINDS, rng)
             # the minutes asked, and one whole pass at least, however slow the machine
             while hp.alive() and (time.monotonic() < deadline or injected.total() < len(KINDS)):
                 if time.monotonic() - start >= 60 * len(rss):
