@@ -60,10 +60,12 @@ def unique_uid_base() -> int:
 
 
 @contextmanager
-def hostile_scene(make_host: MakeHost) -> Iterator[Scene]:
+def hostile_scene(make_host: MakeHost, **sections: Any) -> Iterator[Scene]:
+    """`sections` are further host config sections (a scheduler policy, the VFs' weights)."""
     hp = make_host(
         env={CANARY: "the host's own secret"},
         engine={"sandbox": "required", "uid_base": unique_uid_base()},
+        **sections,
     )
     parent, child = SPAWN.Pipe()
     proc = SPAWN.Process(

@@ -13,7 +13,8 @@ with confinement required, the neighbour on VF 0 computing meanwhile.
 - A kernel that writes its engine's words to say "done, nothing running" while it
   computes gets its VF parked (host/sched/policy.py): on the device, uncharged. That
   is device time nobody else wanted; once the neighbour has work, the liar is stopped
-  like any VF before the neighbour runs.
+  like any VF before the neighbour runs, under `liquid` and under `weighted`, there
+  with its weight raised while it is parked.
 """
 
 from __future__ import annotations
@@ -119,16 +120,35 @@ def test_every_engine_thread_runs_at_the_engine_policy_between_stops(
             assert set(policies.values()) == {ENGINE_POLICY}, (vf, policies)
 
 
+# The liar's weight while it is parked: under `weighted`, raised to this mid-attack, as an
+# operator might. Were the raise to make a parked VF a candidate again, the liar would hold
+# the device 8/9 of the time.
+RAISED_WEIGHT = 8.0
+
+
+@pytest.mark.parametrize(
+    "policy", ["liquid", "weighted"], ids=["liquid", "weighted-weight-raised-in-flight"]
+)
 def test_a_kernel_that_says_it_is_idle_is_still_stopped_before_its_neighbour_runs(
-    make_host: MakeHost,
+    make_host: MakeHost, policy: str
 ) -> None:
-    with hostile_scene(make_host) as sc:
+    sections: dict[str, Any] = {"scheduler": {"policy": policy}}
+    if policy == "weighted":
+        sections["vf"] = [{"index": 0, "weight": 1}, {"index": 1, "weight": 1}]
+    with hostile_scene(make_host, **sections) as sc:
+
+        def liar() -> dict[str, Any]:
+            return sc.hp.admin.request("GET", "/sched")["vfs"]["1"]
+
         stamps = sc.gpu.alloc(int(4 * STORM_S * 1e9) // STAMP_NS, np.int64)
         sc.gpu.launch(k_looks_idle, stamps, 4 * STORM_S)  # never resumed: not awaited
-        wait_until(lambda: sc.hp.admin.request("GET", "/sched")["vfs"]["1"]["parked"])
+        wait_until(lambda: liar()["parked"])
         wait_until(lambda: stamps.read()[0], what="the liar computing")
         before = sc.hp.admin.request("GET", "/sched")["switches"]
         sc.conn.send(("stamps", STORM_S))
+        if policy == "weighted":
+            sc.hp.admin.vf_set(1, weight=RAISED_WEIGHT)
+            assert liar()["weight"] == RAISED_WEIGHT  # it holds no slice: at once
         assert sc.conn.poll(60), "the neighbour's kernel never finished"
         theirs = sc.conn.recv()
         switches = sc.hp.admin.request("GET", "/sched")["switches"] - before
