@@ -10,7 +10,7 @@ launches it and waits. Shares must hold for such kernels as for the CPU-bound
   all of it, as a GPU kernel does, and what the host's timer adds is not time the
   scheduler lost. (Counting nominal steps instead, as until 2026-12-07, left the
   VM's 20-50 us of wake-up per 0.1 ms step out of every figure, more of it with 8
-  VFs than with one; docs/benchmarks.md.) A stopped engine's sleep runs out
+  VFs than with one; docs/benchmarks-log.md.) A stopped engine's sleep runs out
   meanwhile, so a step that took over EMU_GAP_NS was cut by a stop and counts
   nothing: per slice, the part of one step before the stop and the wake-up after
   it go uncounted, alike for every VF. A stop shorter than EMU_GAP_NS would count
