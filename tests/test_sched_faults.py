@@ -14,6 +14,7 @@ from gpuvirt.defaults import IDLE_WAKES_MAX, MAX_QUEUED
 from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.device.status import Word
+from gpuvirt.errors import StateConflictError
 from gpuvirt.host.sched import Policy, Scheduler
 from helpers import wait_until
 
@@ -66,6 +67,35 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Callable[..., Rig]]:
             s.stop()
     for d in devs:
         d.close()
+
+
+def _anon_inodes() -> dict[str, int]:
+    """This process's eventfds and epolls, by kind: what the scheduler opens itself."""
+    kinds: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own fd, closed by now
+        if target in ("anon_inode:[eventfd]", "anon_inode:[eventpoll]"):
+            kinds[target] = kinds.get(target, 0) + 1
+    return kinds
+
+
+def test_a_stopped_scheduler_refuses_work_and_leaves_no_descriptor_open(rig) -> None:
+    """Before, an op posted after stop() got a future nobody would ever answer (its
+    caller waited out its own timeout), and the thread's eventfd and epoll stayed open
+    for the process's life."""
+    r = rig("liquid", 1)
+    before = _anon_inodes()
+    r.sched.stop()
+    after = _anon_inodes()
+    for kind in ("anon_inode:[eventfd]", "anon_inode:[eventpoll]"):
+        assert after.get(kind, 0) == before[kind] - 1, (kind, before, after)
+    with pytest.raises(StateConflictError, match="scheduler has stopped"):
+        r.sched.set_weight(0, 2.0)
+    r.sched.stop()  # a second stop is harmless
+    assert r.sched.snapshot()["current"] is None  # status still answers: nothing runs
 
 
 def test_an_exception_on_the_thread_resets_that_vf_and_the_others_keep_switching(rig) -> None:

@@ -92,8 +92,14 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        self._ops.call(self._op_stop).result(timeout=10)
-        self._thread.join(timeout=10)
+        """Take every VF off the device and end the thread; then its own descriptors
+        close (ops.py), unless the thread is still running past the timeout."""
+        if self._thread.is_alive():
+            self._ops.call(self._op_stop).result(timeout=10)
+            self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._ops.close()
+            self._w.close()
 
     def alive(self) -> bool:
         return self._thread.is_alive()

@@ -47,6 +47,13 @@ class Watches:
         events = self._ep.poll(-1 if timeout is None else timeout)
         return [self._data[fd] for fd, _ in events if fd in self._data]
 
+    def close(self) -> None:
+        """Once the scheduler thread has ended: the epoll goes; the fds it watched are
+        their owners' (engines, guests) to close."""
+        with self.lock:
+            self._ep.close()
+            self._data.clear()
+
     def describe(self) -> dict[str, list[Any]]:
         """fd -> [kind, vf]; the caller holds `lock`."""
         return {str(fd): [k, e.vf if e else None] for fd, (k, e) in self._data.items()}
