@@ -44,7 +44,7 @@ from gpuvirt.device.status import Word
 from gpuvirt.errors import ConfigError, DeviceError
 from gpuvirt.guest.queue import kernel
 from gpuvirt.protocol.command import BufDesc
-from helpers import guest_queue
+from helpers import guest_queue, wait_until
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -248,6 +248,18 @@ def test_cooperative_spare_adopts_a_vf_and_runs_its_kernels() -> None:
         engine.kill()
         spare.close()
         os.close(fb)
+
+
+def test_a_spare_says_when_it_is_done_starting() -> None:
+    spare: Spares[CoopEngine] = Spares(lambda identity: CoopEngine(SPARE, None, "emu"))
+    try:
+        spare.refill(ANY, EngineSpec(0, FB_SIZE))
+        assert spare.counts()["kept"] == 1
+        # its own status word, written once its imports are done and it waits for a VF
+        wait_until(lambda: spare.counts() == {"kept": 1, "ready": 1}, what="the spare ready")
+    finally:
+        spare.close()
+    assert spare.counts() == {"kept": 0, "ready": 0}
 
 
 def test_spare_is_not_given_when_a_fault_wants_a_fresh_start_or_it_died() -> None:

@@ -15,7 +15,7 @@ import gpuvirt
 from gpuvirt.bench.workers import Workers, busy_guest, hang_guest
 from gpuvirt.protocol.info import PF2VF_OFFSET, RESERVED_SIZE
 from gpuvirt.protocol.mailbox import FRAME_SIZE, Attach, Frame, GuestMsg, HostMsg
-from helpers import MakeHost, last_seq, wait_event, wait_state
+from helpers import MakeHost, last_seq, wait_event, wait_state, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -197,6 +197,24 @@ def test_after_an_flr_the_fb_is_all_zeros(make_host: MakeHost) -> None:
     head = np.frombuffer(gpu._fb.view(0, RESERVED_SIZE), np.uint8)  # info blocks aside
     assert not head[:PF2VF_OFFSET].any()
     gpu.close()
+
+
+def test_status_shows_each_flr_take_its_spare_and_the_next_one_start(make_host: MakeHost) -> None:
+    """`spares` in /status: engines started ahead of need and how many are done
+    starting, so an operator (or a bench spacing its FLRs) can tell whether the next FLR
+    waits for an interpreter start."""
+    hp = make_host()
+
+    def settled() -> dict[str, int] | None:
+        spares = hp.status()["spares"]
+        return spares if spares["kept"] and spares["ready"] == spares["kept"] else None
+
+    kept = wait_until(settled, what="every spare done starting")["kept"]
+    for _ in range(2):  # the second FLR takes the spare the first one started
+        after = last_seq(hp)
+        hp.admin.vf(0, "reset")
+        wait_event(hp, flr_done(0), after=after)
+        assert wait_until(settled, what="the refill done starting")["kept"] == kept
 
 
 def test_a_failed_engine_restart_escalates_to_a_device_reset(make_host: MakeHost) -> None:

@@ -10,6 +10,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,3 +155,17 @@ def scratch_host(env: dict[str, str] | None = None, **sections: Any) -> Iterator
         work = Path(tmp)
         with HostProcess(host_config(work, **sections), work / "run", env) as hp:
             yield hp
+
+
+SPARES_POLL_S = 0.01  # how often wait_spares polls the host's status
+SPARES_TIMEOUT_S = 60.0  # 31 interpreter starts at once on 2 CPUs take ~10 s
+
+
+def wait_spares(hp: HostProcess, timeout: float = SPARES_TIMEOUT_S) -> None:
+    """Until every spare engine the host keeps is done starting (/status `spares`), so
+    that the next FLR takes a ready one and no start runs beside a measurement."""
+    deadline = time.monotonic() + timeout
+    while (s := hp.status()["spares"])["ready"] < s["kept"]:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"spares not done starting after {timeout:g} s: {s}")
+        time.sleep(SPARES_POLL_S)  # the poll's period: readiness is the host's word

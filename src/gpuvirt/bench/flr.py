@@ -16,7 +16,7 @@ and the end of the FLR, so the neighbours' share during it is exact.
   mean 0.98-1.01: the FLR costs them little or no device time; the worst
   of the two is mostly that phase noise). The noise shrinks as 1/sqrt(FLRs), so each round adds
   RESETS more FLRs of VF0 (admin resets, once its guest has left,
-  RESET_GAP_S apart so each finds its spare engine ready) and the spans are
+  each once its spare engine is ready, by the host's status) and the spans are
   summed: 20 left one round in three near 0.94; 60 (~1 s of FLR per round)
   leave it rarer, not gone. neighbour_share_ratio is the median
   round's worst neighbour; neighbour_share_ratio_mean (both neighbours
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread
+from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread, wait_spares
 from gpuvirt.bench.sched_wait import WAIT_KERNEL_S, native_rounds
 from gpuvirt.bench.windows import engine_ns
 from gpuvirt.bench.workers import WorkerReport, Workers, busy_guest, hang_guest, work_between
@@ -45,9 +45,6 @@ JOB_TIMEOUT_S = 1.0
 CMD_TIMEOUT_MS = 500
 RESETS = 60  # more FLRs of VF0 per round: the slices' phase noise falls as 1/sqrt(RESETS)
 QUICK_RESETS = 6  # --quick (tests, gpu-check): enough FLRs per phase to judge every neighbour
-# Apart by this much: the spare engine an FLR adopts is started after the previous FLR
-# and needs time to be ready; back to back, every FLR would start an engine cold.
-RESET_GAP_S = 0.5
 NATIVE_S = 1.0  # each window of the native baseline (cuda)
 
 
@@ -194,8 +191,10 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
 
 
 def _resets(hp: HostProcess, n: int) -> None:
+    """The workload: n FLRs of VF0, one at a time, each once the spare the one before
+    started is ready (back to back, every FLR would start an engine cold)."""
     for _ in range(n):
-        time.sleep(RESET_GAP_S)  # the workload: one FLR at a time, its spare ready
+        wait_spares(hp)
         hp.admin.vf(0, "reset")
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread
+from gpuvirt.bench.common import MIN_ROUNDS, Result, Target, scratch_host, spread, wait_spares
 from gpuvirt.bench.sched import switching_overhead
 from gpuvirt.bench.sched_wait import WAIT_KERNEL_S, busy, native_rounds
 from gpuvirt.bench.windows import busy_window
@@ -100,6 +100,9 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
     ratios_wait: list[float] = []
     busy_all: list[float] = []  # device-bound: the fraction of the window all VFs' kernels had
     with scratch_host(device=dev, sriov={"vf_num": VFS}, scheduler=sched) as hp:
+        # The 31 spares behind the first engines start after the host is ready; measured
+        # meanwhile, the first window saw their starts on the device's CPU.
+        wait_spares(hp)
         st = hp.status()
         engines = [v["engine_pid"] for v in st["vfs"]]
         idle_engine = max(rss_bytes(p) for p in engines)

@@ -373,6 +373,10 @@ class Device(abc.ABC):
         each waits for the interpreter start of the one before it. A backend without
         spare engines starts nothing here."""
 
+    def spares(self) -> dict[str, int]:
+        """Spare engines alive (`kept`) and done starting (`ready`); device/spare.py."""
+        return {"kept": 0, "ready": 0}
+
     @abc.abstractmethod
     def guest_fds(self, vf: int) -> list[int]:
         """The descriptors a guest of this VF receives besides its command channel."""

@@ -411,6 +411,9 @@ class CudaDevice(Device):
         self._engines[spec.vf] = engine
         return engine
 
+    def spares(self) -> dict[str, int]:
+        return self._spares.counts()
+
     def guest_fds(self, vf: int) -> list[int]:
         return [self._apertures[vf][0]]
 

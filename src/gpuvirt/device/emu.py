@@ -305,6 +305,9 @@ class EmuDevice(Device):
         for spec in specs:
             self._spares.refill(self._spare_key(spec), spec)
 
+    def spares(self) -> dict[str, int]:
+        return self._spares.counts()
+
     def _spare_key(self, spec: EngineSpec) -> int:
         return spec.vf if self.sandbox.per_vf_identity else ANY
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     status = StatusArea(a.status_fd)
     ctl = socket.socket(fileno=a.ctl_fd)
-    executor = _executor(ctl, a)
+    executor = _executor(ctl, a, status)
     if executor is None:
         return
     status[Word.PID] = os.getpid()
@@ -118,9 +118,11 @@ def _started(a: argparse.Namespace) -> None:
         os.close(null)
 
 
-def _adopt(ctl: socket.socket, a: argparse.Namespace) -> bool:
-    """A spare engine: started and imported ahead of need, it waits here until the host
-    hands it a VF's FB. False when the host lets it go instead."""
+def _adopt(ctl: socket.socket, a: argparse.Namespace, status: StatusArea) -> bool:
+    """A spare engine: started and imported ahead of need, it says so in its status
+    words and waits here until the host hands it a VF's FB. False when the host lets it
+    go instead."""
+    status[Word.SPARE_READY] = 1
     msg, fd = recv_fd(ctl)
     if not msg.startswith(CTL_ADOPT) or fd is None:
         return False
@@ -129,20 +131,20 @@ def _adopt(ctl: socket.socket, a: argparse.Namespace) -> bool:
     return True
 
 
-def _executor(ctl: socket.socket, a: argparse.Namespace) -> Executor | None:
+def _executor(ctl: socket.socket, a: argparse.Namespace, status: StatusArea) -> Executor | None:
     """The backend's executor on the VF's FB; a spare first waits to adopt one (None:
     the host let it go). On cuda the context and its warm-up come before the wait, so
     that a spare has done them ahead of need."""
     if a.backend == "emu":
         from gpuvirt.device.emu_executor import EmuExecutor
 
-        if a.fb_fd < 0 and not _adopt(ctl, a):
+        if a.fb_fd < 0 and not _adopt(ctl, a, status):
             return None
         return EmuExecutor(a.fb_fd, a.fb_size)
     from gpuvirt.device.cuda_executor import CudaContext, CudaExecutor
 
     context = CudaContext.open()
-    if a.fb_fd < 0 and not _adopt(ctl, a):
+    if a.fb_fd < 0 and not _adopt(ctl, a, status):
         return None
     return CudaExecutor(context, a.fb_fd, a.fb_size, a.vf, a.scratch)
 
@@ -153,7 +155,7 @@ def _main_coop(a: argparse.Namespace) -> None:
     status[Word.PID] = os.getpid()
     status[Word.MAGIC] = MAGIC
     try:
-        executor = _executor(ctl, a)
+        executor = _executor(ctl, a, status)
     except Exception as e:
         # Say why on the control socket: the host turns it into the engine-start error
         # an operator reads, instead of a bare "engine exited".

@@ -20,7 +20,7 @@ from typing import ClassVar
 from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.ctl import ADOPT, CTL_ADOPT, CTL_EXIT, CTL_GUEST
 from gpuvirt.device.sandbox import Sandbox
-from gpuvirt.device.status import StatusArea
+from gpuvirt.device.status import StatusArea, Word
 from gpuvirt.errors import DeviceError
 
 
@@ -113,6 +113,10 @@ class ProcessEngine(Engine):
             return False
         # the pidfd turns readable when the engine exits, child of ours or not
         return not select.select([self._pidfd], [], [], 0)[0]
+
+    def spare_ready(self) -> bool:
+        """A spare (started with fb_fd None) done starting, waiting to adopt a VF."""
+        return self.status[Word.SPARE_READY] == 1
 
     def adopt(self, spec: EngineSpec, fb_fd: int) -> None:
         """Give a spare (started with fb_fd None) its VF; INIT_GPU then completes as for

@@ -26,6 +26,8 @@ ANY = SPARE.vf  # the key of a spare any VF may adopt
 class Adoptable(Protocol):
     def alive(self) -> bool: ...
 
+    def spare_ready(self) -> bool: ...
+
     def adopt(self, spec: EngineSpec, fb_fd: int) -> None: ...
 
     def kill(self) -> None: ...
@@ -65,6 +67,13 @@ class Spares(Generic[E]):
             if old is not None:
                 old.kill()
             self._engines[key] = self._start(identity)
+
+    def counts(self) -> dict[str, int]:
+        """Spares alive now (`kept`) and, of them, those done starting and waiting for a VF
+        (`ready`): an FLR or enable that takes a ready one waits for no start at all."""
+        with self._lock:
+            live = [e for e in self._engines.values() if e.alive()]
+        return {"kept": len(live), "ready": sum(e.spare_ready() for e in live)}
 
     def close(self) -> None:
         with self._lock:

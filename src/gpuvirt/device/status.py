@@ -33,6 +33,9 @@ class Word(IntEnum):
     # device itself (cuda: CUDA events on the engine's stream, docs/cuda.md "Device time");
     # emu engines do not write it: there the device's time is the host's wall clock
     BUSY_NS = 10
+    # a spare (device/spare.py): 1 once started (interpreter, imports, cuda's context) and
+    # waiting to be handed a VF. Read only before that, while no tenant code can write it.
+    SPARE_READY = 11
     # host-written
     NOTIFY_IDLE = 64  # 1: signal the idle eventfd when the queue drains
     CMD_SERIAL = 65  # cooperative world switch: serial of the latest command

@@ -145,6 +145,9 @@ class StatusReport:
             "uptime_s": round(time.time() - self.started, 3),
             "host_rss_bytes": rss_bytes(os.getpid()),
             "sandbox": self.sandbox.as_dict(),
+            # engines started ahead of the next FLR, fini or enable, and how many are done
+            # starting: one that is not yet ready makes its FLR wait for its start
+            "spares": self.device.spares(),
             "sched": {
                 "current": snap["current"],
                 "switches": snap["switches"],
