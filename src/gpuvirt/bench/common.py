@@ -158,7 +158,8 @@ def scratch_host(env: dict[str, str] | None = None, **sections: Any) -> Iterator
 
 
 SPARES_POLL_S = 0.01  # how often wait_spares polls the host's status
-SPARES_TIMEOUT_S = 60.0  # 31 interpreter starts at once on 2 CPUs take ~10 s
+# A 31-VF host's spares, all starting at once once it is ready: 4.2-6.0 s on a 2-vCPU VM.
+SPARES_TIMEOUT_S = 60.0
 
 
 def wait_spares(hp: HostProcess, timeout: float = SPARES_TIMEOUT_S) -> None:

@@ -117,7 +117,8 @@ def run(quick: bool = False, backend: str = "emu") -> Result:
             rate_alone = sum(alone["work"].values()) / alone["span_ns"]
             rate_all = sum(every["work"].values()) / every["span_ns"]
             ratios.append(rate_all / rate_alone if rate_alone else 0.0)
-            speed.append(_running_rate(every) / (_running_rate(alone) or float("inf")))
+            speed_alone = _running_rate(alone)
+            speed.append(_running_rate(every) / speed_alone if speed_alone else 0.0)
             lost.append(switching_overhead(alone, every, list(range(VFS))))
             lost_sched.append(100 * every["lost_ns"] / every["span_ns"])
             switches += every["switches"]
