@@ -6,6 +6,10 @@ through a host; never by how long anything took.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -55,7 +59,7 @@ def test_a_poll_that_shared_its_cpu_stops_polling_for_longer_each_time_in_a_row(
     w = PollWindow(LIMIT)
     backoffs = []
     for _ in range(10):
-        w._yielded(on_cpu_ns=10, wall_ns=1000)  # the peer ran while we yielded
+        w._yielded(away_ns=990, wall_ns=1000)  # the peer ran while we yielded
         backoffs.append(w.backoff)
         assert w.window_ns == 0
     assert backoffs == [2, 4, 8, 16, 32, 64, 128, 256, 256, 256]
@@ -64,8 +68,8 @@ def test_a_poll_that_shared_its_cpu_stops_polling_for_longer_each_time_in_a_row(
         assert w.window_ns == 0  # not polling again until the backoff has run out
     w.slept(LIMIT // 2)
     assert w.window_ns > 0
-    w._yielded(on_cpu_ns=900, wall_ns=1000)  # a poll on a CPU of its own: the streak ends
-    w._yielded(on_cpu_ns=10, wall_ns=1000)
+    w._yielded(away_ns=100, wall_ns=1000)  # a poll on a CPU of its own: the streak ends
+    w._yielded(away_ns=990, wall_ns=1000)
     assert w.backoff == 2
 
 
@@ -127,3 +131,22 @@ def _sleep(xp: object, s: float) -> str:
 
 def _square(xp: object, i: int) -> int:
     return i * i
+
+
+def test_a_poll_whose_yields_let_a_busy_peer_run_counts_as_shared() -> None:
+    """Real processes on one CPU: every yield hands it to a spinning peer, which the
+    window sees in how long its yields took, and it stops polling."""
+    cpu = min(os.sched_getaffinity(0))
+    saved = os.sched_getaffinity(0)
+    peer = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(peer.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        w = PollWindow(10**10)
+        tries = iter([None] * 5 + [7])
+        assert w.poll(lambda: next(tries)) == 7
+        assert (w.window_ns, w.shared, w.backoff) == (0, 1, 2)
+    finally:
+        os.sched_setaffinity(0, saved)
+        peer.kill()
+        peer.wait()

@@ -16,10 +16,17 @@ within a few launches and the CPU goes back to sleeping. Each turn of the poll
 yields the CPU, so a peer on the same CPU (the reply's sender) runs at once
 instead of waiting out the window. Polling there gains nothing, though (the
 peer could only run because we yielded), and costs a yield per turn: a poll
-that spent less than half its time on the CPU shared it with the peer, and
-polling then stops for the next 2, 4, ... SHARED_BACKOFF waits, doubling while
-that keeps happening (a preemption now and then on a CPU of its own costs a
-wait or two; a peer on the same CPU soon stops the polling for long).
+that spent more than half its time inside its yields (another thread ran
+meanwhile) shared the CPU with the peer, and polling then stops for the next
+2, 4, ... SHARED_BACKOFF waits, doubling while that keeps happening (a
+preemption now and then on a CPU of its own costs a wait or two; a peer on the
+same CPU soon stops the polling for long).
+
+The time inside the yields is read from the monotonic clock (the vDSO, no
+system call), beyond what a bare yield costs (the quickest one seen). The
+thread's CPU clock would say the same, but reading it is a system call, and
+the read after the message came was on the round trip at both of its ends
+(~1.5 µs each on a VM whose system calls trap to the hypervisor; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ T = TypeVar("T")
 POLL_ENV = "GPUVIRT_POLL_US"  # the guest's limit; 0 turns polling off
 GROW_FROM = 4  # a window that grows from nothing starts at limit / GROW_FROM
 SHARED_BACKOFF = 256  # at most this many waits without polling after a shared poll
+BARE_YIELD_NS = 1_000_000  # a bare yield's cost until one is seen (any real one is less)
 
 
 class PollWindow:
@@ -47,6 +55,7 @@ class PollWindow:
         self.window_ns = 0
         self.backoff = 0  # waits left before polling may resume
         self.shared = 0  # polls in a row that found the CPU shared
+        self.bare_yield_ns = BARE_YIELD_NS  # the quickest yield seen: nothing else ran
         self.set_limit(limit_ns)
 
     def set_limit(self, limit_ns: int) -> None:
@@ -57,20 +66,23 @@ class PollWindow:
         """attempt() until it returns something or the window passes (then None)."""
         if self.window_ns <= 0:
             return None
-        end = time.monotonic_ns() + self.window_ns
-        since = cpu = 0  # when the first yield came, and this thread's CPU time then
+        start = time.monotonic_ns()
+        end = start + self.window_ns
+        away = 0  # ns inside yields beyond a bare yield's cost: others ran meanwhile
         while True:
             got = attempt()
             if got is not None:
-                if since:
-                    self._yielded(time.thread_time_ns() - cpu, time.monotonic_ns() - since)
+                if away:
+                    self._yielded(away, time.monotonic_ns() - start)
                 return got
             now = time.monotonic_ns()
             if now >= end:
                 return None
-            if not since:
-                since, cpu = now, time.thread_time_ns()
             os.sched_yield()
+            took = time.monotonic_ns() - now
+            if took < self.bare_yield_ns:
+                self.bare_yield_ns = took
+            away += took - self.bare_yield_ns
 
     def wait(self, attempt: Callable[[], T | None], block: Callable[[], T]) -> T:
         """What attempt() gets within the window, else what block() waits for; either
@@ -84,9 +96,9 @@ class PollWindow:
         finally:
             self.slept(time.monotonic_ns() - start)
 
-    def _yielded(self, on_cpu_ns: int, wall_ns: int) -> None:
+    def _yielded(self, away_ns: int, wall_ns: int) -> None:
         """A poll that yielded got its message: was the CPU shared meanwhile?"""
-        if on_cpu_ns * 2 >= wall_ns:
+        if away_ns * 2 <= wall_ns:
             self.shared = 0
             return
         self.shared += 1
