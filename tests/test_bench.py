@@ -31,7 +31,7 @@ from gpuvirt.bench.workers import (
 )
 from helpers import MakeHost
 
-MACHINE_KEYS = {"cpu", "cores", "kernel", "backend", "sandbox", "virt"}
+MACHINE_KEYS = {"cpu", "cores", "kernel", "backend", "sandbox", "virt", "syscall_ns"}
 
 
 def assert_spread(spreads: dict[str, list[float]], figures: dict[str, object]) -> None:
@@ -229,6 +229,7 @@ def test_machine_names_what_the_figures_were_measured_on() -> None:
     m = machine("emu")
     assert set(m) >= MACHINE_KEYS
     assert m["cores"] == os.cpu_count() and m["backend"] == "emu"
+    assert isinstance(m["syscall_ns"], float) and m["syscall_ns"] > 0
 
 
 def test_netgpu_result_judges_every_mode_and_stream_count() -> None:

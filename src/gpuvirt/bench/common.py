@@ -111,6 +111,22 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+SYSCALL_BATCHES, SYSCALL_CALLS = 5, 2000  # how syscall_ns is sampled
+
+
+def _syscall_ns() -> float:
+    """What one bare system call costs here (getuid; glibc does not cache it), median of
+    a few batches. Under some hypervisors every system call traps, and the launch round
+    trip is mostly system calls: this tells such a machine apart (docs/benchmarks.md)."""
+    batches = []
+    for _ in range(SYSCALL_BATCHES):
+        t = time.perf_counter_ns()
+        for _ in range(SYSCALL_CALLS):
+            os.getuid()
+        batches.append((time.perf_counter_ns() - t) / SYSCALL_CALLS)
+    return round(statistics.median(batches), 1)
+
+
 def machine(backend: str) -> dict[str, Any]:
     """What a figure was measured on: ratios travel between machines, this says from where."""
     return {
@@ -122,6 +138,7 @@ def machine(backend: str) -> dict[str, Any]:
         # a container reports itself; the CPU flag says whether a hypervisor is under it
         "hypervisor": _hypervisor(),
         "python": platform.python_version(),
+        "syscall_ns": _syscall_ns(),
         "backend": backend,
         # engine.sandbox of the hosts a suite starts (`bench --sandbox`; the default
         # is the host's: required)
