@@ -139,7 +139,7 @@ def guest_queue(engine: Engine) -> CommandQueue:
     guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     engine.attach_guest(engine_end.fileno())
     engine_end.close()
-    return CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+    return CommandQueue(guest)
 
 
 @contextlib.contextmanager

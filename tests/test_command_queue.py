@@ -62,7 +62,7 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture
 def queue(engine: Engine) -> CommandQueue:
-    return CommandQueue(engine.channel, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+    return CommandQueue(engine.channel)
 
 
 def _xp_name(xp: Any) -> str:

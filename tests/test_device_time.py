@@ -137,7 +137,7 @@ class Loop:
         guest, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         send_fd(self.ctl, CTL_GUEST, engine_end.fileno())
         engine_end.close()
-        self.queue = CommandQueue(guest, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+        self.queue = CommandQueue(guest)
         self.serial = 0
 
     def command(self, cmd: WSCommand) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gpuvirt.defaults import IDLE_WAKES_MAX, MAX_QUEUED
+from gpuvirt.defaults import IDLE_WAKES_MAX, MAX_TAKEN
 from gpuvirt.device.base import Engine, EngineSpec, WSCommand
 from gpuvirt.device.emu import EmuDevice
 from gpuvirt.device.status import Word
@@ -37,6 +38,13 @@ class Rig:
     sched: Scheduler
     engines: list[Engine]
     faults: Faults
+
+
+def channel() -> tuple[socket.socket, socket.socket]:
+    """A VF's command channel: the guest's end, and the engine's, which the host watches
+    as the VF's doorbell (host/sched/entry.py). Nothing reads the engine's end here, so
+    what the guest sends stays queued: work the engine has not taken."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
 @pytest.fixture
@@ -100,10 +108,10 @@ def test_a_stopped_scheduler_refuses_work_and_leaves_no_descriptor_open(rig) -> 
 
 def test_an_exception_on_the_thread_resets_that_vf_and_the_others_keep_switching(rig) -> None:
     r = rig("round_robin", 3)
-    bells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(3)]
-    for vf, fd in enumerate(bells):
-        r.sched.set_guest(vf, fd).result(10)
-    os.close(bells[0])  # VF0's doorbell is gone under the thread: its next switch-in raises
+    chans = [channel() for _ in range(3)]
+    for vf, (_guest, bell) in enumerate(chans):
+        r.sched.set_guest(vf, bell.fileno()).result(10)
+    chans[0][1].close()  # VF0's doorbell is gone under the thread: its next switch-in raises
     assert r.faults.event.wait(20)
     (vf, reason, detail), *_ = r.faults.seen
     assert (vf, reason) == (0, "sched_error") and "Bad file descriptor" in detail
@@ -115,9 +123,10 @@ def test_an_exception_on_the_thread_resets_that_vf_and_the_others_keep_switching
     assert after["vfs"][0]["switches_in"] == before["vfs"][0]["switches_in"]
     assert after["vfs"][1]["switches_in"] > before["vfs"][1]["switches_in"]
     assert after["vfs"][2]["switches_in"] > before["vfs"][2]["switches_in"]
-    for vf, fd in enumerate(bells[1:], 1):
+    for vf, (guest, bell) in enumerate(chans[1:], 1):
         r.sched.set_guest(vf, None).result(10)
-        os.close(fd)
+        guest.close()
+        bell.close()
 
 
 def test_snapshots_from_another_thread_while_vfs_come_and_go(rig) -> None:
@@ -137,39 +146,50 @@ def test_snapshots_from_another_thread_while_vfs_come_and_go(rig) -> None:
     t = threading.Thread(target=reader)
     t.start()
     try:
-        bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        for _ in range(150):
+        guest, bell = channel()
+        for i in range(150):
             r.sched.remove(2).result(10)
             r.sched.add(2, r.engines[2], 1.0).result(10)
-            r.sched.set_guest(2, bell).result(10)
-            os.eventfd_write(bell, 1)  # watched, then drained: the selector's map changes
+            r.sched.set_guest(2, bell.fileno()).result(10)
+            if i % 2:  # watched, then work: the selector's map changes
+                guest.send(b"launch")
+            elif i:
+                bell.recv(64)  # the last one taken, as the engine takes it
     finally:
         stop.set()
         t.join()
         r.sched.set_guest(2, None).result(10)
-        os.close(bell)
+        guest.close()
+        bell.close()
     assert errors == [] and taken[0] > 150
     assert r.sched.alive() and r.faults.seen == []
 
 
-def test_a_flooded_doorbell_is_bounded_and_wakes_the_thread_once_per_slice(rig) -> None:
+def test_a_flooded_channel_is_bounded_and_wakes_the_thread_once_per_slice(rig) -> None:
     r = rig("liquid", 2)
-    bells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2)]
-    for vf, fd in enumerate(bells):
-        r.sched.set_guest(vf, fd).result(10)
+    chans = [channel() for _ in range(2)]
+    for vf, (_guest, bell) in enumerate(chans):
+        r.sched.set_guest(vf, bell.fileno()).result(10)
     before = r.sched.snapshot()
-    os.eventfd_write(bells[1], 1 << 62)  # "I queued 2**62 launches"
-    for _ in range(20_000):  # ...and a wake-up storm on top
-        os.eventfd_write(bells[1], 1)
+    r.engines[1].status[Word.RECEIVED] = 1 << 62  # its engine: "I took 2**62 launches"
+    guest = chans[1][0]
+    sent = 0
+    for _ in range(20_000):  # ...and a message storm on top, as fast as the channel takes it
+        try:
+            guest.send(b"launch", socket.MSG_DONTWAIT)
+            sent += 1
+        except BlockingIOError:
+            pass  # full: the storm goes on against a full channel
     wait_until(lambda: r.sched.snapshot()["current"] == 1)
     after = r.sched.snapshot()
-    assert after["vfs"][1]["pending"] <= MAX_QUEUED
+    assert sent > 0 and after["vfs"][1]["pending"] <= MAX_TAKEN + 1
     woke = after["wakeups"] - before["wakeups"]
     switched = after["switches"] - before["switches"]
     assert woke <= 2 * switched + 10, (woke, switched)
-    for vf, fd in enumerate(bells):
+    for vf, (guest, bell) in enumerate(chans):
         r.sched.set_guest(vf, None).result(10)
-        os.close(fd)
+        guest.close()
+        bell.close()
 
 
 def test_an_engine_faking_its_running_kernel_still_hits_job_timeout(rig) -> None:
@@ -189,10 +209,10 @@ def test_an_engine_faking_its_running_kernel_still_hits_job_timeout(rig) -> None
 
 def test_an_idle_signal_storm_wakes_the_thread_a_bounded_number_of_times_a_slice(rig) -> None:
     r = rig("liquid", 2)
-    bells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2)]
-    for vf, fd in enumerate(bells):
-        r.sched.set_guest(vf, fd).result(10)
-        os.eventfd_write(fd, 1)  # one launch each that never completes: both stay busy
+    chans = [channel() for _ in range(2)]
+    for vf, (guest, bell) in enumerate(chans):
+        r.sched.set_guest(vf, bell.fileno()).result(10)
+        guest.send(b"launch")  # one launch each that is never taken: both stay busy
     wait_until(lambda: r.sched.snapshot()["current"] is not None)
     before = r.sched.snapshot()
     for _ in range(20_000):  # the engine's "my queue drained" eventfd, written as it can
@@ -202,27 +222,32 @@ def test_an_idle_signal_storm_wakes_the_thread_a_bounded_number_of_times_a_slice
     woke = after["wakeups"] - before["wakeups"]
     slices = after["switches"] - before["switches"] + 1
     assert woke <= (IDLE_WAKES_MAX + 2) * slices + 10, (woke, slices)
-    for vf, fd in enumerate(bells):
+    for vf, (guest, bell) in enumerate(chans):
         r.sched.set_guest(vf, None).result(10)
-        os.close(fd)
+        guest.close()
+        bell.close()
 
 
 def test_a_parked_vf_running_a_launch_it_never_rang_for_still_hits_job_timeout(rig) -> None:
     """A drained VF kept on the device holds no slice and is charged nothing: were it
-    looked at again only when its doorbell rings, a launch sent without a ring would run
-    uncharged and past job_timeout for as long as nobody else wanted the device."""
+    looked at again only when a message reaches its channel, a kernel its engine runs
+    with nothing sent for it (a tenant's thread starts one) would run uncharged and past
+    job_timeout for as long as nobody else wanted the device."""
     r = rig("liquid", 1, job_timeout_s=0.3)
-    bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-    r.sched.set_guest(0, bell).result(10)
+    guest, bell = channel()
+    r.sched.set_guest(0, bell.fileno()).result(10)
     st = r.engines[0].status  # the engine's own words, as its kernel can write them
-    os.eventfd_write(bell, 1)  # one launch...
+    guest.send(b"launch")  # one launch...
     wait_until(lambda: r.sched.snapshot()["current"] == 0)
-    st[Word.COMPLETED] += 1  # ...done: nothing pending, nobody else, so it parks
+    bell.recv(64)  # ...taken by the engine...
+    st[Word.RECEIVED] += 1
+    st[Word.COMPLETED] += 1  # ...and done: nothing pending, nobody else, so it parks
     wait_until(lambda: r.sched.snapshot()["vfs"][0]["parked"])
-    st[Word.CURRENT_START_NS] = time.monotonic_ns()  # then a kernel, its doorbell never rung
+    st[Word.CURRENT_START_NS] = time.monotonic_ns()  # then a kernel, nothing sent for it
     st[Word.CURRENT_SEQ] = 1
     assert r.faults.event.wait(30), r.sched.snapshot()["vfs"][0]
     (vf, reason, _detail), *_ = r.faults.seen
     assert (vf, reason) == (0, "job_timeout")
     r.sched.set_guest(0, None).result(10)
-    os.close(bell)
+    guest.close()
+    bell.close()

@@ -78,8 +78,9 @@ IDLE_WAKES_MAX = 4  # idle signals a running engine may send per slice
 ESCALATE_EVERY_NS = 1_000_000_000  # unblamed scheduler failures: at most one device reset a second
 # weighted: a VF without work for less than this keeps the device time it is owed
 REJOIN_NS = 100_000_000
-# A guest rings once per launch, and its channel holds far fewer launches than this.
-MAX_QUEUED = 1 << 16
+# An engine runs one launch or copy at a time: its words (the tenant's) saying it took
+# more than this and has not completed them are not believed beyond it.
+MAX_TAKEN = 1
 ADMIN_MAX_REQUEST = 16 * KiB  # an admin request's head, and its body
 ADMIN_MAX_CLIENTS = 64  # admin requests in flight; more get 503 rather than host memory
 ADMIN_MAX_WAIT_S = 30.0  # the longest long-poll of /events

@@ -264,9 +264,9 @@ class Gpu:
         self._request(Frame(GuestMsg.REQ_GPU_INIT_DATA), HostMsg.GPU_INIT_DATA_READY)
         reply, fds = self._request(Frame(GuestMsg.REQ_GPU_INIT_ACCESS), HostMsg.READY_TO_ACCESS_GPU)
         try:
-            if len(fds) < 3:
-                raise DetachedError(f"host sent {len(fds)} descriptors, expected 3")
-            aperture, channel, doorbell = fds[0], fds[-2], fds[-1]
+            if len(fds) < 2:
+                raise DetachedError(f"host sent {len(fds)} descriptors, expected 2")
+            aperture, channel = fds[0], fds[-1]
             self._key = reply.dw2
             size = os.fstat(aperture).st_size
             self._mem = mmap.mmap(aperture, size, mmap.MAP_SHARED)
@@ -284,13 +284,13 @@ class Gpu:
             self.info = info
             self._allocator = Allocator.for_fb(info.fb_size)
             self._queue = CommandQueue(
-                socket.socket(fileno=channel), doorbell, self._poll_ns, told_by_mailbox=True
+                socket.socket(fileno=channel), self._poll_ns, told_by_mailbox=True
             )
             if info.feature_flags & FEATURE_FB_MAPPED:
                 self._fb = MappedFB(self._mem, info.fb_size)
             else:  # the FB is device memory (cuda): data goes through the staging area
                 self._fb = StagedFB(StagingArea.of_aperture(self._mem), self._queue, info.fb_size)
-            fds = [fd for fd in fds if fd not in (channel, doorbell)]
+            fds = [fd for fd in fds if fd != channel]
         finally:
             for fd in fds:
                 os.close(fd)

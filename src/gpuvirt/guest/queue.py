@@ -5,8 +5,9 @@ replies until its own arrives (under a lock, so one thread reads at a time).
 That keeps a launch round trip to two socket hops and no thread hand-off. The
 reader polls the channel briefly before it blocks (gpuvirt/poll.py): on a VM a
 blocked reader's wake-up costs more than the launch itself.
-Before each message the guest rings the VF's doorbell (an eventfd the host
-gave it), which is how the scheduler learns this VF has work.
+The guest rings no doorbell: the host watches the engine's end of this channel
+(host/sched/entry.py), so a message queued in it is how the scheduler learns
+that this VF has work, at no cost to the launch.
 
 When the VF is reset, the mailbox thread calls `fail_all`: every pending
 future gets VFResetError and the channel is shut down, which also wakes a
@@ -150,7 +151,6 @@ class CommandQueue:
     def __init__(
         self,
         channel: socket.socket,
-        doorbell: int,
         poll_ns: int = DEFAULT_POLL_US * 1000,
         told_by_mailbox: bool = False,
     ) -> None:
@@ -160,7 +160,6 @@ class CommandQueue:
         self._told_by_mailbox = told_by_mailbox
         self._failed = threading.Event()
         channel.setblocking(True)  # see RECV_TICK_S; the fd may come non-blocking
-        self.doorbell = doorbell
         self.pending: dict[int, LaunchFuture] = {}
         self.completed = 0
         self._defined: set[int] = set()
@@ -186,7 +185,7 @@ class CommandQueue:
         with self._send_lock:
             self._check()
             if k.kid not in self._defined:
-                self._send(pack(Kind.DEFINE, kid=k.kid, payload=k.pickled()), ring=False)
+                self._send(pack(Kind.DEFINE, kid=k.kid, payload=k.pickled()))
                 self._defined.add(k.kid)
             return self._submit(_LAUNCH, k.kid, payload, k.name)
 
@@ -213,9 +212,7 @@ class CommandQueue:
             raise
         return fut
 
-    def _send(self, data: bytes, ring: bool = True) -> None:
-        if ring:
-            os.eventfd_write(self.doorbell, 1)  # before the send: the engine may finish first
+    def _send(self, data: bytes) -> None:
         try:
             self.channel.send(data)
         except OSError as e:
@@ -346,4 +343,3 @@ class CommandQueue:
 
     def close(self) -> None:
         self.channel.close()
-        os.close(self.doorbell)

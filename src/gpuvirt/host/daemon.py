@@ -309,7 +309,8 @@ class Host:
             if self.vfm.accepts(vf, E.DISABLE):  # from FULLACCESS: frees the init lock too
                 self.vfm.send(vf, E.DISABLE, "disable")
             # Off the schedule before the guest goes: its session closes the doorbell
-            # eventfd, which the scheduler must have let go of by then.
+            # (its duplicate of the engine's end), which the scheduler must have let
+            # go of by then.
             await self.off_schedule(vf)
             if vf.conn is not None:
                 vf.conn.close()  # its session's end is a fini, which finds the VF gone

@@ -368,8 +368,10 @@ class Session:
             assert vf.engine is not None
             vf.engine.attach_guest(cmd_engine.fileno())
             self._close_doorbell()
-            self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            fds = [*host.guest_fds(vf), cmd_guest.fileno(), self.doorbell]
+            # The VF's doorbell: the engine's end of the channel, which the scheduler
+            # watches and never reads (host/sched/entry.py). The guest rings nothing.
+            self.doorbell = os.dup(cmd_engine.fileno())
+            fds = [*host.guest_fds(vf), cmd_guest.fileno()]
             self.send(
                 Frame(HostMsg.READY_TO_ACCESS_GPU, vf.fb >> 20, vf.checksum_key, len(fds)), fds
             )

@@ -217,7 +217,9 @@ PER_VF: tuple[_PerVF, ...] = (
            lambda v: float(bool(v.get("device_disagrees")))),
     _PerVF("gpuvirt_vf_running", G, "1 while the VF is the one on the device.",
            lambda v: float(bool(v["running"]))),
-    _PerVF("gpuvirt_vf_pending_launches", G, "Launches submitted and not yet done.",
+    _PerVF("gpuvirt_vf_pending_launches", G,
+           "Work the VF has, as the scheduler last read it: 1 for a launch or copy its "
+           "engine is running, 1 more while others wait in its channel (0-2).",
            lambda v: v["pending"]),
     _PerVF("gpuvirt_vf_fb_bytes", G, "Size of the VF's FB.", lambda v: v["fb_total"]),
     _PerVF("gpuvirt_vf_fb_used_bytes", G,

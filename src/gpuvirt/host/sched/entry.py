@@ -1,18 +1,29 @@
 """The scheduler's record of one VF and its counters, and the engine's status words
-read into them. Those words and the doorbell are written by the tenant's own
-processes, so every read here is bounded: a liar can only hurt itself.
+read into them. Those words are written by the tenant's own engine, so every read
+here is bounded: a liar can only hurt itself.
+
+A VF's doorbell is the engine's end of its guest's command channel: a duplicate the
+host keeps to watch (epoll, edge-triggered: one wake-up per message that arrives)
+and to ask how many bytes wait in it (FIONREAD), and never reads. Work the guest
+queued and the engine has not taken is there, in the kernel's socket queue, whether
+the engine is stopped, idled or running, so nothing the tenant writes can make it
+say more or less than what was sent, and the guest rings nothing: virtio's
+ioeventfd without the write, as a NIC's doorbell is the ring's tail.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import struct
+import termios
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuvirt.defaults import MAX_QUEUED
+from gpuvirt.defaults import MAX_TAKEN
 from gpuvirt.device.base import Engine
 from gpuvirt.device.status import Word
 from gpuvirt.host.sched.policy import Account
@@ -21,9 +32,9 @@ from gpuvirt.host.sched.policy import Account
 @dataclass(eq=False)
 class Entry(Account):
     engine: Engine = field(default=None)  # type: ignore[assignment]
-    doorbell: int | None = None  # eventfd the guest rings per submitted command
+    doorbell: int | None = None  # the engine's end of the guest's channel (a dup)
     doorbell_watched: bool = False
-    submitted: int = 0
+    queued: bool = False  # the channel held messages when it was last looked at
     # device time at ref_mono: maps a wall instant inside the last run to device time
     ref_mono: int = 0
     ref_dev: int = 0
@@ -34,22 +45,23 @@ class Entry(Account):
     idle_wakes: int = 0
     busy_ref: int | None = None  # the engine's busy_ns() when its slice began
 
-    def take_doorbell(self) -> None:
-        """Count the launches rung for since the last take."""
-        if self.doorbell is not None:
-            self.submitted += drain(self.doorbell)
-
     def read_pending(self) -> int:
-        """The launches queued and not completed, bounded (the counters are untrusted)."""
-        done = self.engine.status[Word.COMPLETED]
-        self.submitted = min(self.submitted, done + MAX_QUEUED)
-        self.pending = max(0, self.submitted - done)
+        """The work the VF has: what its engine took and has not completed (its words,
+        bounded: they are untrusted), and one more while its channel holds messages.
+        A faulted VF has none: it waits for its reset, and its channel may be gone."""
+        if self.faulted:
+            self.pending = 0
+            return 0
+        st = self.engine.status
+        taken = min(max(0, st[Word.RECEIVED] - st[Word.COMPLETED]), MAX_TAKEN)
+        self.queued = self.doorbell is not None and queued_bytes(self.doorbell) > 0
+        self.pending = taken + self.queued
         return self.pending
 
     def engine_idle(self) -> bool:
         """Nothing running, nothing received and not completed, by the engine's words:
-        a launch whose doorbell was never rung shows here, and a parked VF's
-        unpark does not wait for a ring that may never come."""
+        a kernel the engine runs with nothing sent for it (a tenant thread's) shows
+        here, and a parked VF's unpark does not wait for a message that may never come."""
         st = self.engine.status
         return st[Word.CURRENT_SEQ] == 0 and st[Word.RECEIVED] <= st[Word.COMPLETED]
 
@@ -96,8 +108,9 @@ class Entry(Account):
             "parked": self.parked,
             "weight": self.weight,
             "next_weight": self.next_weight,
-            "pending": max(0, self.submitted - st[Word.COMPLETED]) if self.has_guest else 0,
-            "submitted": self.submitted,
+            # As the scheduler thread last read them: a snapshot asks no descriptor.
+            "pending": self.pending if self.has_guest else 0,
+            "queued": self.queued,
             "received": st[Word.RECEIVED],
             "completed": st[Word.COMPLETED],
             "faulted": self.faulted,
@@ -142,6 +155,14 @@ def disagreement(rows: Iterable[dict[str, Any]]) -> None:
     for r in rows:
         gap = 100 * (r["device_ns"] / dev - r["wall_ns"] / wall)
         r["disagree_pp"] = round(gap, 3) if r["device_clock"] else None
+
+
+_INQ = struct.Struct("i")
+
+
+def queued_bytes(sock_fd: int) -> int:
+    """Bytes waiting in a socket's receive queue (FIONREAD: SIOCINQ), without reading."""
+    return _INQ.unpack(fcntl.ioctl(sock_fd, termios.FIONREAD, bytes(_INQ.size)))[0]
 
 
 def drain(fd: int) -> int:

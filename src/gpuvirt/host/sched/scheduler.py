@@ -33,7 +33,6 @@ from typing import Any
 
 from gpuvirt.defaults import ESCALATE_EVERY_NS, IDLE_WAKES_MAX
 from gpuvirt.device.base import Engine, SwitchLimits
-from gpuvirt.device.status import Word
 from gpuvirt.errors import DeviceError
 from gpuvirt.host.priority import raise_priority
 from gpuvirt.host.sched.entry import Entry, SchedStats, disagreement, drain
@@ -163,11 +162,10 @@ class Scheduler:
         if cur is not None:
             self._culprit = cur
             self._check_kernel(cur, now)
-            # Its doorbell is not watched (it would wake us per launch): read it before
-            # its pending count is judged, or the launches completed since it was last
-            # read make a VF with work read 0 at its slice's end, leave the candidates
-            # and lose the device (docs/architecture.md, "A world switch").
-            cur.take_doorbell()
+            # Its doorbell is not watched (it would wake us per launch): its pending count
+            # is read afresh at every wake-up, or one read at its slice's start, with the
+            # launches completed since, makes a VF with work read 0 at its slice's end,
+            # leave the candidates and lose the device (docs/architecture.md).
             cur.read_pending()
         ends = (
             cur is None
@@ -236,21 +234,17 @@ class Scheduler:
                 self._w.unidle(entry)
         elif kind == "doorbell":
             assert entry is not None and entry.doorbell is not None
-            entry.take_doorbell()
             if entry.read_pending() > 0:
-                # It has work: more rings change nothing until it has run.
+                # It has work: more messages change nothing until it has run. (None: its
+                # engine took them, or its guest closed the channel; neither wakes us again.)
                 self._w.undoorbell(entry)
         elif kind == "exit" and entry is not None and not entry.faulted:
             self._fault(entry, "engine_died", f"engine pid {entry.engine.pid} exited")
 
     def _pick(self, keep: Entry | None) -> Entry | None:
-        conserving = self.rules.work_conserving
         for e in self.entries.values():
             self._culprit = e
-            # Only a VF with nothing queued needs its new rings counted to be picked.
-            if e.read_pending() == 0 and conserving and e.has_guest and e is not self.current:
-                e.take_doorbell()
-                e.read_pending()
+            e.read_pending()
         self._culprit = None
         nxt = self.rules.pick(
             self.entries, self.current, self.exclusive.vf, time.monotonic_ns(), keep
@@ -267,7 +261,7 @@ class Scheduler:
         drained = self.rules.should_yield(cur, self.exclusive.vf) and cur.engine_idle()
         if cur.parked and not drained:  # its next launch (or FULLACCESS): a slice again
             cur.parked = False
-            self._w.undoorbell(cur, take=True)
+            self._w.undoorbell(cur)
             self._begin_slice(cur, t)
         elif not cur.parked and ends:
             self._end_slice(cur, t)
@@ -293,10 +287,8 @@ class Scheduler:
         self._culprit = cur
         others = self.rules.others_waiting(cur, list(self.entries.values()), self.exclusive.vf)
         cur.engine.notify_idle(others)
-        if others:
-            cur.take_doorbell()
-            if cur.read_pending() == 0:
-                self._ops.wake()  # drained before the flag was up
+        if others and cur.read_pending() == 0:
+            self._ops.wake()  # drained before the flag was up
 
     def _idle_failed(self, e: Entry, detail: str) -> None:
         if not e.faulted:
@@ -351,7 +343,7 @@ class Scheduler:
         self.stats.lost_ns += t1 - t0
         self.current = nxt
         nxt.switches_in += 1
-        self._w.undoorbell(nxt, take=True)
+        self._w.undoorbell(nxt)
         self._begin_slice(nxt, t1)
 
     def _begin_slice(self, e: Entry, now: int) -> None:
@@ -435,10 +427,9 @@ class Scheduler:
         e = self.entries.get(vf)
         if e is None:
             return  # reset while the guest was initializing: the VF left the schedule
-        self._w.undoorbell(e, take=True)
+        self._w.undoorbell(e)
         e.doorbell = doorbell
         e.has_guest = doorbell is not None
-        e.submitted = e.engine.status[Word.COMPLETED]
         if e is not self.current or e.parked:
             self._w.doorbell(e)
 

@@ -29,12 +29,12 @@ class Watches:
         # Only the work-conserving policies act on a drained queue or a new launch.
         self.work_conserving = work_conserving
 
-    def add(self, fd: int, kind: str, e: Entry | None) -> None:
+    def add(self, fd: int, kind: str, e: Entry | None, events: int = select.EPOLLIN) -> None:
         """Watch fd; KeyError if it is watched already."""
         with self.lock:
             if fd in self._data:
                 raise KeyError(fd)
-            self._ep.register(fd, select.EPOLLIN)
+            self._ep.register(fd, events)
             self._data[fd] = (kind, e)
 
     def discard(self, fd: int) -> None:
@@ -69,14 +69,14 @@ class Watches:
             e.engine.notify_idle(False)
 
     def doorbell(self, e: Entry) -> None:
+        """Watch the VF's channel: a wake-up per message that arrives (edge-triggered: the
+        socket stays readable while they wait, and at its guest's end of file for good),
+        and one at once if messages wait already."""
         if self.work_conserving and e.doorbell is not None and not e.faulted:
-            self.add(e.doorbell, "doorbell", e)
+            self.add(e.doorbell, "doorbell", e, select.EPOLLIN | select.EPOLLET)
             e.doorbell_watched = True
 
-    def undoorbell(self, e: Entry, take: bool = False) -> None:
-        """Stop watching; take: count what it rang meanwhile (it runs: nothing wakes us)."""
+    def undoorbell(self, e: Entry) -> None:
         if e.doorbell is not None and e.doorbell_watched:
             self.discard(e.doorbell)
             e.doorbell_watched = False
-        if take:
-            e.take_doorbell()
