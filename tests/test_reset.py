@@ -146,7 +146,7 @@ def test_a_guest_that_never_releases_init_is_reset(make_host: MakeHost) -> None:
     assert _frame(s)[0].msg == HostMsg.GPU_INIT_DATA_READY
     s.sendall(Frame(GuestMsg.REQ_GPU_INIT_ACCESS).encode())
     ready, fds = _frame(s)
-    assert ready.msg == HostMsg.READY_TO_ACCESS_GPU and len(fds) == ready.dw3 == 3
+    assert ready.msg == HostMsg.READY_TO_ACCESS_GPU and len(fds) == ready.dw3 == 2
     for fd in fds:
         os.close(fd)
     # ...and now hold FULLACCESS, never sending REL_GPU_INIT_ACCESS

@@ -192,6 +192,26 @@ def test_a_flooded_channel_is_bounded_and_wakes_the_thread_once_per_slice(rig) -
         bell.close()
 
 
+def test_a_vf_stopped_while_taking_a_message_still_gets_its_turn(rig) -> None:
+    """SIGSTOP lands when a system call returns, so an emu engine is often stopped just
+    after the read that emptied its channel, before it counted the launch: the channel
+    shows nothing and RECEIVED nothing new. Its TAKING word says it holds one; read
+    without it, such a VF had no work and was never picked again beside a busy one."""
+    r = rig("liquid", 2)
+    chans = [channel() for _ in range(2)]
+    for vf, (_guest, bell) in enumerate(chans):
+        r.sched.set_guest(vf, bell.fileno()).result(10)
+    chans[0][0].send(b"launch")  # VF0: a launch never taken, so it always has work
+    wait_until(lambda: r.sched.snapshot()["current"] == 0)
+    before = r.sched.snapshot()["vfs"][1]["switches_in"]
+    r.engines[1].status[Word.TAKING] = 1  # VF1's engine: stopped right after its read
+    wait_until(lambda: r.sched.snapshot()["vfs"][1]["switches_in"] > before)
+    for vf, (guest, bell) in enumerate(chans):
+        r.sched.set_guest(vf, None).result(10)
+        guest.close()
+        bell.close()
+
+
 def test_an_engine_faking_its_running_kernel_still_hits_job_timeout(rig) -> None:
     r = rig("fairness", 1, job_timeout_s=0.3)
     st = r.engines[0].status  # the engine's own status words, as its kernel can write them

@@ -39,8 +39,9 @@ MAX_RESULT = MAX_MESSAGE - 1024  # a DONE message must fit one datagram
 # The per-launch path reads status words by plain int and names enum members through
 # module globals: an enum member's lookup costs ~0.2 µs (a 2-vCPU VM), and a launch
 # made a dozen of them.
-_RECEIVED, _COMPLETED, _SEQ, _START = (
-    int(w) for w in (Word.RECEIVED, Word.COMPLETED, Word.CURRENT_SEQ, Word.CURRENT_START_NS)
+_RECEIVED, _COMPLETED, _SEQ, _START, _TAKING = (
+    int(w)
+    for w in (Word.RECEIVED, Word.COMPLETED, Word.CURRENT_SEQ, Word.CURRENT_START_NS, Word.TAKING)
 )
 _NOTIFY_IDLE, _POLL_NS = int(Word.NOTIFY_IDLE), int(Word.POLL_NS)
 _LAUNCH, _DONE, _OK = Kind.LAUNCH, Kind.DONE, Status.OK
@@ -149,6 +150,15 @@ class EngineLoop:
         self.kernels.clear()
 
     def _guest_message(self) -> None:
+        assert self.guest is not None
+        words = self._words
+        words[_TAKING] = 1  # until counted: the host's doorbell no longer shows it
+        try:
+            self._take_message()
+        finally:
+            words[_TAKING] = 0
+
+    def _take_message(self) -> None:
         assert self.guest is not None
         try:
             n = self.guest.recv_into(self._rxbuf)

@@ -46,14 +46,16 @@ class Entry(Account):
     busy_ref: int | None = None  # the engine's busy_ns() when its slice began
 
     def read_pending(self) -> int:
-        """The work the VF has: what its engine took and has not completed (its words,
-        bounded: they are untrusted), and one more while its channel holds messages.
+        """The work the VF has: what its engine took, or is taking, and has not completed
+        (its words, bounded: they are untrusted), and one more while its channel holds
+        messages.
         A faulted VF has none: it waits for its reset, and its channel may be gone."""
         if self.faulted:
             self.pending = 0
             return 0
         st = self.engine.status
-        taken = min(max(0, st[Word.RECEIVED] - st[Word.COMPLETED]), MAX_TAKEN)
+        taken = max(0, st[Word.RECEIVED] - st[Word.COMPLETED]) + (st[Word.TAKING] != 0)
+        taken = min(taken, MAX_TAKEN)
         self.queued = self.doorbell is not None and queued_bytes(self.doorbell) > 0
         self.pending = taken + self.queued
         return self.pending
@@ -63,7 +65,11 @@ class Entry(Account):
         a kernel the engine runs with nothing sent for it (a tenant thread's) shows
         here, and a parked VF's unpark does not wait for a message that may never come."""
         st = self.engine.status
-        return st[Word.CURRENT_SEQ] == 0 and st[Word.RECEIVED] <= st[Word.COMPLETED]
+        return (
+            st[Word.CURRENT_SEQ] == 0
+            and st[Word.TAKING] == 0
+            and st[Word.RECEIVED] <= st[Word.COMPLETED]
+        )
 
     def slice_so_far(self, now: int, running: bool) -> int:
         """The running slice's time up to now, not yet charged (0 off the device or parked)."""
