@@ -48,16 +48,20 @@ class Entry(Account):
     def read_pending(self) -> int:
         """The work the VF has: what its engine took, or is taking, and has not completed
         (its words, bounded: they are untrusted), and one more while its channel holds
-        messages.
-        A faulted VF has none: it waits for its reset, and its channel may be gone."""
+        messages. A faulted VF has none: it waits for its reset, and its channel may be
+        gone.
+
+        Read in the order the engine moves a message on (channel, TAKING, RECEIVED,
+        COMPLETED), so that a running engine's message is seen at one step or a later
+        one, never missed between two reads."""
         if self.faulted:
             self.pending = 0
             return 0
-        st = self.engine.status
-        taken = max(0, st[Word.RECEIVED] - st[Word.COMPLETED]) + (st[Word.TAKING] != 0)
-        taken = min(taken, MAX_TAKEN)
         self.queued = self.doorbell is not None and queued_bytes(self.doorbell) > 0
-        self.pending = taken + self.queued
+        st = self.engine.status
+        taking = st[Word.TAKING] != 0
+        taken = max(0, st[Word.RECEIVED] - st[Word.COMPLETED]) + taking
+        self.pending = min(taken, MAX_TAKEN) + self.queued
         return self.pending
 
     def engine_idle(self) -> bool:
