@@ -150,3 +150,15 @@ def test_a_poll_whose_yields_let_a_busy_peer_run_counts_as_shared() -> None:
         os.sched_setaffinity(0, saved)
         peer.kill()
         peer.wait()
+
+
+def test_a_poll_whose_only_yield_was_bare_ends_a_streak_of_shared_polls() -> None:
+    """A poll's first yield is its own bare cost (nothing counted away), so a poll that
+    yielded once judged its CPU its own: the streak of shared polls before it ends, and
+    the next shared one backs off 2 waits again, not twice the last backoff."""
+    w = PollWindow(10**10)
+    w.shared = 3
+    w.bare_yield_ns = 10**15  # whatever this yield takes, it is the quickest seen
+    tries = iter([None, 7])
+    assert w.poll(lambda: next(tries)) == 7
+    assert w.shared == 0

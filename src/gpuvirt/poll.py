@@ -68,17 +68,19 @@ class PollWindow:
             return None
         start = time.monotonic_ns()
         end = start + self.window_ns
+        yielded = False
         away = 0  # ns inside yields beyond a bare yield's cost: others ran meanwhile
         while True:
             got = attempt()
             if got is not None:
-                if away:
+                if yielded:  # bare yields (away 0) judge the CPU too: they end a streak
                     self._yielded(away, time.monotonic_ns() - start)
                 return got
             now = time.monotonic_ns()
             if now >= end:
                 return None
             os.sched_yield()
+            yielded = True
             took = time.monotonic_ns() - now
             if took < self.bare_yield_ns:
                 self.bare_yield_ns = took
