@@ -31,7 +31,10 @@ the read after the message came was on the round trip at both of its ends
 
 from __future__ import annotations
 
+import fcntl
 import os
+import struct
+import termios
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -118,6 +121,15 @@ class PollWindow:
             self.window_ns //= 2
             if self.window_ns < self.limit_ns // GROW_FROM:
                 self.window_ns = 0
+
+
+_INQ = struct.Struct("i")
+
+
+def queued_bytes(sock_fd: int) -> int:
+    """Bytes waiting in a socket's receive queue (FIONREAD: SIOCINQ), without reading
+    them; OSError if the descriptor is bad."""
+    return _INQ.unpack(fcntl.ioctl(sock_fd, termios.FIONREAD, bytes(_INQ.size)))[0]
 
 
 def poll_limit_ns(value: str | None) -> int:

@@ -28,15 +28,14 @@ Off (0, the default) every read is a fragment as soon as it lands.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import select
 import socket
 import struct
-import termios
 import time
 from typing import TYPE_CHECKING
 
 from gpuvirt.netgpu.errors import NetGPUError
+from gpuvirt.poll import queued_bytes
 
 if TYPE_CHECKING:
     from gpuvirt.netgpu.stream import Stream
@@ -124,9 +123,9 @@ class Coalescer:
 
 
 def _queued(fd: int) -> int:
-    """Bytes waiting in a socket's receive queue (FIONREAD)."""
+    """Bytes waiting in a socket's receive queue."""
     try:
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        return queued_bytes(fd)
     except OSError:
         return 1  # let a read find out what is wrong
 

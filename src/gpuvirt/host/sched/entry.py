@@ -13,10 +13,7 @@ ioeventfd without the write, as a NIC's doorbell is the ring's tail.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import struct
-import termios
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -27,6 +24,7 @@ from gpuvirt.defaults import MAX_TAKEN
 from gpuvirt.device.base import Engine
 from gpuvirt.device.status import Word
 from gpuvirt.host.sched.policy import Account
+from gpuvirt.poll import queued_bytes
 
 
 @dataclass(eq=False)
@@ -165,14 +163,6 @@ def disagreement(rows: Iterable[dict[str, Any]]) -> None:
     for r in rows:
         gap = 100 * (r["device_ns"] / dev - r["wall_ns"] / wall)
         r["disagree_pp"] = round(gap, 3) if r["device_clock"] else None
-
-
-_INQ = struct.Struct("i")
-
-
-def queued_bytes(sock_fd: int) -> int:
-    """Bytes waiting in a socket's receive queue (FIONREAD: SIOCINQ), without reading."""
-    return _INQ.unpack(fcntl.ioctl(sock_fd, termios.FIONREAD, bytes(_INQ.size)))[0]
 
 
 def drain(fd: int) -> int:
