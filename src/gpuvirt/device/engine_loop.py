@@ -150,9 +150,8 @@ class EngineLoop:
         self.kernels.clear()
 
     def _guest_message(self) -> None:
-        assert self.guest is not None
         words = self._words
-        words[_TAKING] = 1  # until counted: the host's doorbell no longer shows it
+        words[_TAKING] = 1  # until done with it: once read, the channel no longer shows it
         try:
             self._take_message()
         finally:

@@ -36,10 +36,10 @@ class Word(IntEnum):
     # a spare (device/spare.py): 1 once started (interpreter, imports, cuda's context) and
     # waiting to be handed a VF. Read only before that, while no tenant code can write it.
     SPARE_READY = 11
-    # 1 from just before the engine reads a guest message until it has counted it in
-    # RECEIVED (or found it counts nothing): a stop lands at a system call's return, so
-    # an engine stopped right after its read holds a launch that neither the channel
-    # (emptied) nor RECEIVED shows; this word does (host/sched/entry.py)
+    # 1 from just before the engine reads a guest message until it is done with it (it
+    # counts in RECEIVED meanwhile, unless it counts nothing): a stop lands at a system
+    # call's return, so an engine stopped right after its read holds a launch that
+    # neither the channel (emptied) nor RECEIVED shows; this word does (host/sched/entry.py)
     TAKING = 12
     # host-written
     NOTIFY_IDLE = 64  # 1: signal the idle eventfd when the queue drains
