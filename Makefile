@@ -34,10 +34,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP) sandbox-deps
 	$(BIN)/gpuvirt demo
 
+# Two workers: most of a test's time is processes starting (a host's, its engines' and
+# a plugin's interpreters and imports) and waiting on each other, so one worker keeps
+# 0.75 of a CPU busy; on a 2-CPU VM two workers ran the suite in 8.5 minutes, against
+# 13 in one. Tests share nothing but the machine (every host, socket, state directory
+# and cgroup is its own). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) sandbox-deps
 	$(BIN)/ruff check src tests
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -14,9 +14,11 @@ import contextlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -234,12 +236,16 @@ def container(edits: dict[str, Any], code: str) -> subprocess.Popen[str]:
 
 
 @contextlib.contextmanager
-def node(make_host: Any, tmp_path: Path, **host_sections: Any) -> Any:
+def node(make_host: Any, **host_sections: Any) -> Any:
     """(host, API server, plugin, kubelet) for one test; all stopped at the end."""
     hp = make_host(**host_sections)
     api = ApiServer().start()
     name = f"node-{uuid.uuid4().hex[:6]}"
-    plugin = Plugin(hp, api, tmp_path, name).start()
+    # Short paths, not pytest's tmp_path: a Unix socket path has room for 107 bytes, and
+    # the plugin's sockets sit two levels down (tmp_path under xdist is long enough to
+    # leave them no room).
+    work = Path(tempfile.mkdtemp(prefix="gv-dra-"))
+    plugin = Plugin(hp, api, work, name).start()
     kubelet = Kubelet(plugin.registry_dir)
     try:
         yield Node(name, hp, api, plugin, kubelet)
@@ -248,6 +254,7 @@ def node(make_host: Any, tmp_path: Path, **host_sections: Any) -> Any:
         if plugin.proc and plugin.proc.poll() is None:
             plugin.stop()
         api.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @dataclass

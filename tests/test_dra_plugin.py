@@ -8,7 +8,6 @@ import json
 import logging
 import signal
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,10 +38,8 @@ def _attr(api: Any, name: str, vf: str, key: str) -> Any:
     return next(iter(a.values())) if a else None
 
 
-def test_registers_publishes_follows_and_removes_its_slice(
-    make_host: MakeHost, tmp_path: Path
-) -> None:
-    with node(make_host, tmp_path, **HOST) as n:
+def test_registers_publishes_follows_and_removes_its_slice(make_host: MakeHost) -> None:
+    with node(make_host, **HOST) as n:
         info = n.kubelet.register()
         assert info.type == "DRAPlugin"
         assert info.name == DRIVER
@@ -79,10 +76,8 @@ def test_registers_publishes_follows_and_removes_its_slice(
         assert not (n.plugin.plugin_dir / "dra.sock").exists()
 
 
-def test_a_refused_registration_ends_the_plugin_with_the_reason(
-    make_host: MakeHost, tmp_path: Path
-) -> None:
-    with node(make_host, tmp_path, **HOST) as n:
+def test_a_refused_registration_ends_the_plugin_with_the_reason(make_host: MakeHost) -> None:
+    with node(make_host, **HOST) as n:
         n.kubelet.register(accept=False, error="no supported version")
         assert n.plugin.proc is not None
         assert n.plugin.proc.wait(30) == 1
@@ -90,11 +85,11 @@ def test_a_refused_registration_ends_the_plugin_with_the_reason(
         assert n.api.slices == {}
 
 
-def test_one_claim_from_slice_to_guest_to_scrub(make_host: MakeHost, tmp_path: Path) -> None:
+def test_one_claim_from_slice_to_guest_to_scrub(make_host: MakeHost) -> None:
     """The whole path, logged: slice published → claim prepared with fb/weight → a guest
     attached through the CDI spec alone computes with that FB and weight → unprepared
     and scrubbed."""
-    with node(make_host, tmp_path, **HOST) as n:
+    with node(make_host, **HOST) as n:
         n.kubelet.register()
         n.api.wait_for(lambda a: _slice_devices(a, n.name))
         log.warning("slice published: %s", json.dumps(n.api.slices[f"{n.name}-{DRIVER}"]["spec"]))
@@ -179,10 +174,8 @@ def _set_events(hp: Any, vf: int) -> list[dict[str, Any]]:
     return [e for e in hp.admin.events(after=0, vf=vf) if e["kind"] == "set"]
 
 
-def test_prepare_and_unprepare_are_idempotent_across_a_plugin_restart(
-    make_host: MakeHost, tmp_path: Path
-) -> None:
-    with node(make_host, tmp_path, **HOST) as n:
+def test_prepare_and_unprepare_are_idempotent_across_a_plugin_restart(make_host: MakeHost) -> None:
+    with node(make_host, **HOST) as n:
         n.kubelet.register()
         c = n.api.put_claim(claim(n.name, ["vf0"], {"fb": "64MiB", "weight": 2}))
         uid = c["metadata"]["uid"]
@@ -214,8 +207,8 @@ def test_prepare_and_unprepare_are_idempotent_across_a_plugin_restart(
             kubelet.close()
 
 
-def test_a_damaged_checkpoint_is_refused_with_its_path(make_host: MakeHost, tmp_path: Path) -> None:
-    with node(make_host, tmp_path, **HOST) as n:
+def test_a_damaged_checkpoint_is_refused_with_its_path(make_host: MakeHost) -> None:
+    with node(make_host, **HOST) as n:
         n.kubelet.register()
         c = n.api.put_claim(claim(n.name, ["vf0"], {"weight": 2}))
         assert n.kubelet.prepare(c).claims[c["metadata"]["uid"]].error == ""
@@ -230,8 +223,8 @@ def test_a_damaged_checkpoint_is_refused_with_its_path(make_host: MakeHost, tmp_
         assert "".join(f"checkpoint {ckpt}: checksum or version mismatch".split()) in said
 
 
-def test_concurrent_claims_never_share_a_vf(make_host: MakeHost, tmp_path: Path) -> None:
-    with node(make_host, tmp_path, **HOST) as n:
+def test_concurrent_claims_never_share_a_vf(make_host: MakeHost) -> None:
+    with node(make_host, **HOST) as n:
         n.kubelet.register()
         # A stale scheduler view: two claims allocated the same VF, prepared at once.
         a, b = (n.api.put_claim(claim(n.name, ["vf1"], {"weight": w})) for w in (2, 4))
@@ -276,9 +269,9 @@ def test_concurrent_claims_never_share_a_vf(make_host: MakeHost, tmp_path: Path)
     ],
 )
 def test_a_bad_parameter_fails_that_claim_only(
-    make_host: MakeHost, tmp_path: Path, params: dict[str, Any], expected: str
+    make_host: MakeHost, params: dict[str, Any], expected: str
 ) -> None:
-    with node(make_host, tmp_path, **HOST) as n:
+    with node(make_host, **HOST) as n:
         n.kubelet.register()
         bad = n.api.put_claim(claim(n.name, ["vf0"], params))
         good = n.api.put_claim(claim(n.name, ["vf1"], {"weight": 2}))
@@ -295,10 +288,8 @@ def test_a_bad_parameter_fails_that_claim_only(
         assert n.plugin.proc is not None and n.plugin.proc.poll() is None
 
 
-def test_claims_the_driver_cannot_serve_fail_with_the_reason(
-    make_host: MakeHost, tmp_path: Path
-) -> None:
-    with node(make_host, tmp_path, **HOST) as n:
+def test_claims_the_driver_cannot_serve_fail_with_the_reason(make_host: MakeHost) -> None:
+    with node(make_host, **HOST) as n:
         n.kubelet.register()
         missing = claim(n.name, ["vf0"], name="never-stored")
         elsewhere = n.api.put_claim(claim("other-node", ["vf0"]))
@@ -329,8 +320,8 @@ def test_claims_the_driver_cannot_serve_fail_with_the_reason(
         assert n.plugin.proc is not None and n.plugin.proc.poll() is None
 
 
-def test_the_slice_shows_a_host_restart(make_host: MakeHost, tmp_path: Path) -> None:
-    with node(make_host, tmp_path, **HOST) as n:
+def test_the_slice_shows_a_host_restart(make_host: MakeHost) -> None:
+    with node(make_host, **HOST) as n:
         n.api.wait_for(lambda a: _attr(a, n.name, "vf0", "health") == "Healthy")
         n.host.stop()
         n.api.wait_for(
