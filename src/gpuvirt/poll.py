@@ -17,10 +17,13 @@ yields the CPU, so a peer on the same CPU (the reply's sender) runs at once
 instead of waiting out the window. Polling there gains nothing, though (the
 peer could only run because we yielded), and costs a yield per turn: a poll
 that spent more than half its time inside its yields (another thread ran
-meanwhile) shared the CPU with the peer, and polling then stops for the next
-2, 4, ... SHARED_BACKOFF waits, doubling while that keeps happening (a
-preemption now and then on a CPU of its own costs a wait or two; a peer on the
-same CPU soon stops the polling for long).
+meanwhile) shared the CPU. Two such polls in a row mean a peer on the same CPU,
+and polling then stops for the next 2, 4, ... SHARED_BACKOFF waits, doubling
+while that keeps happening, so a peer on the same CPU soon stops the polling for
+long. One alone is a thread that woke there once (the host's scheduler thread
+at a slice's end, beside a guest on a CPU of its own) and changes nothing:
+stopping for it made 2-6 % of a launch loop's waits block, each paying the
+cross-CPU wake-up that polling is there to save (docs/benchmarks-log.md).
 
 The time inside the yields is read from the monotonic clock (the vDSO, no
 system call), beyond what a bare yield costs (the quickest one seen). The
@@ -46,6 +49,7 @@ T = TypeVar("T")
 
 POLL_ENV = "GPUVIRT_POLL_US"  # the guest's limit; 0 turns polling off
 GROW_FROM = 4  # a window that grows from nothing starts at limit / GROW_FROM
+SHARED_STREAK = 2  # shared polls in a row that stop polling
 SHARED_BACKOFF = 256  # at most this many waits without polling after a shared poll
 BARE_YIELD_NS = 1_000_000  # a bare yield's cost until one is seen (any real one is less)
 
@@ -102,13 +106,17 @@ class PollWindow:
             self.slept(time.monotonic_ns() - start)
 
     def _yielded(self, away_ns: int, wall_ns: int) -> None:
-        """A poll that yielded got its message: was the CPU shared meanwhile?"""
+        """A poll that yielded got its message: was the CPU shared meanwhile? Polling
+        stops from the second shared poll in a row: a peer on the same CPU runs in every
+        poll's yields, another thread that woke there once (a host thread's timer) in one."""
         if away_ns * 2 <= wall_ns:
             self.shared = 0
             return
         self.shared += 1
+        if self.shared < SHARED_STREAK:
+            return
         self.window_ns = 0
-        self.backoff = min(SHARED_BACKOFF, 1 << self.shared)
+        self.backoff = min(SHARED_BACKOFF, 1 << (self.shared - SHARED_STREAK + 1))
 
     def slept(self, waited_ns: int) -> None:
         """A wait that polling did not end has ended, `waited_ns` after polling began."""
