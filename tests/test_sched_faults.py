@@ -192,6 +192,31 @@ def test_a_flooded_channel_is_bounded_and_wakes_the_thread_once_per_slice(rig) -
         bell.close()
 
 
+def test_a_guest_that_closes_its_channel_wakes_the_thread_once_not_for_ever(rig) -> None:
+    """The host watches the engine's end of the channel, and a closed guest end leaves it
+    readable for good (end of file). Edge-triggered, that is one wake-up; level-triggered
+    it was one per turn of the thread's loop for as long as the VF waits off the device."""
+    r = rig("liquid", 2)
+    chans = [channel() for _ in range(2)]
+    for vf, (_guest, bell) in enumerate(chans):
+        r.sched.set_guest(vf, bell.fileno()).result(10)
+    chans[0][0].send(b"launch")  # VF0: a launch never taken, so it always has the device
+    wait_until(lambda: r.sched.snapshot()["current"] == 0)
+    before = r.sched.snapshot()
+    chans[1][0].close()  # VF1's guest goes; its VF stays off the device, watched
+    slice_ns = 2_000_000  # the rig's time slice
+    wait_until(lambda: r.sched.snapshot()["elapsed_ns"] - before["elapsed_ns"] > 50 * slice_ns)
+    after = r.sched.snapshot()
+    assert after["vfs"][1]["pending"] == 0 and after["current"] == 0
+    woke = after["wakeups"] - before["wakeups"]
+    assert woke < 50, f"{woke} wake-ups in 50 slices after one end of file"
+    r.sched.set_guest(1, None).result(10)
+    r.sched.set_guest(0, None).result(10)
+    for guest, bell in chans:
+        guest.close()
+        bell.close()
+
+
 def test_a_vf_stopped_while_taking_a_message_still_gets_its_turn(rig) -> None:
     """SIGSTOP lands when a system call returns, so an emu engine is often stopped just
     after the read that emptied its channel, before it counted the launch: the channel
