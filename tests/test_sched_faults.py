@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -21,6 +22,7 @@ from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 FB = 4 << 20
+SLICE_MS = 2  # the rig's time slice
 
 
 @dataclass
@@ -47,6 +49,22 @@ def channel() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
+@contextlib.contextmanager
+def guests(r: Rig) -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    """A channel for every VF of the rig, its engine's end the VF's doorbell; at the end
+    each VF loses its guest and both ends are closed."""
+    chans = [channel() for _ in r.engines]
+    for vf, (_guest, bell) in enumerate(chans):
+        r.sched.set_guest(vf, bell.fileno()).result(10)
+    try:
+        yield chans
+    finally:
+        for vf, (guest, bell) in enumerate(chans):
+            r.sched.set_guest(vf, None).result(10)
+            guest.close()
+            bell.close()
+
+
 @pytest.fixture
 def rig(request: pytest.FixtureRequest) -> Iterator[Callable[..., Rig]]:
     devs: list[EmuDevice] = []
@@ -62,7 +80,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Callable[..., Rig]]:
             e.command(WSCommand.INIT_GPU, 60)
             engines.append(e)
         faults = Faults()
-        sched = Scheduler(Policy(policy), 2, 1000, job_timeout_s, faults)
+        sched = Scheduler(Policy(policy), SLICE_MS, 1000, job_timeout_s, faults)
         scheds.append(sched)
         sched.start()
         for vf, e in enumerate(engines):
@@ -167,29 +185,23 @@ def test_snapshots_from_another_thread_while_vfs_come_and_go(rig) -> None:
 
 def test_a_flooded_channel_is_bounded_and_wakes_the_thread_once_per_slice(rig) -> None:
     r = rig("liquid", 2)
-    chans = [channel() for _ in range(2)]
-    for vf, (_guest, bell) in enumerate(chans):
-        r.sched.set_guest(vf, bell.fileno()).result(10)
-    before = r.sched.snapshot()
-    r.engines[1].status[Word.RECEIVED] = 1 << 62  # its engine: "I took 2**62 launches"
-    guest = chans[1][0]
-    sent = 0
-    for _ in range(20_000):  # ...and a message storm on top, as fast as the channel takes it
-        try:
-            guest.send(b"launch", socket.MSG_DONTWAIT)
-            sent += 1
-        except BlockingIOError:
-            pass  # full: the storm goes on against a full channel
-    wait_until(lambda: r.sched.snapshot()["current"] == 1)
-    after = r.sched.snapshot()
-    assert sent > 0 and after["vfs"][1]["pending"] <= MAX_TAKEN + 1
-    woke = after["wakeups"] - before["wakeups"]
-    switched = after["switches"] - before["switches"]
-    assert woke <= 2 * switched + 10, (woke, switched)
-    for vf, (guest, bell) in enumerate(chans):
-        r.sched.set_guest(vf, None).result(10)
-        guest.close()
-        bell.close()
+    with guests(r) as chans:
+        before = r.sched.snapshot()
+        r.engines[1].status[Word.RECEIVED] = 1 << 62  # its engine: "I took 2**62 launches"
+        guest = chans[1][0]
+        sent = 0
+        for _ in range(20_000):  # ...and a message storm on top, as fast as the channel takes it
+            try:
+                guest.send(b"launch", socket.MSG_DONTWAIT)
+                sent += 1
+            except BlockingIOError:
+                pass  # full: the storm goes on against a full channel
+        wait_until(lambda: r.sched.snapshot()["current"] == 1)
+        after = r.sched.snapshot()
+        assert sent > 0 and after["vfs"][1]["pending"] <= MAX_TAKEN + 1
+        woke = after["wakeups"] - before["wakeups"]
+        switched = after["switches"] - before["switches"]
+        assert woke <= 2 * switched + 10, (woke, switched)
 
 
 def test_a_guest_that_closes_its_channel_wakes_the_thread_once_not_for_ever(rig) -> None:
@@ -197,24 +209,17 @@ def test_a_guest_that_closes_its_channel_wakes_the_thread_once_not_for_ever(rig)
     readable for good (end of file). Edge-triggered, that is one wake-up; level-triggered
     it was one per turn of the thread's loop for as long as the VF waits off the device."""
     r = rig("liquid", 2)
-    chans = [channel() for _ in range(2)]
-    for vf, (_guest, bell) in enumerate(chans):
-        r.sched.set_guest(vf, bell.fileno()).result(10)
-    chans[0][0].send(b"launch")  # VF0: a launch never taken, so it always has the device
-    wait_until(lambda: r.sched.snapshot()["current"] == 0)
-    before = r.sched.snapshot()
-    chans[1][0].close()  # VF1's guest goes; its VF stays off the device, watched
-    slice_ns = 2_000_000  # the rig's time slice
-    wait_until(lambda: r.sched.snapshot()["elapsed_ns"] - before["elapsed_ns"] > 50 * slice_ns)
-    after = r.sched.snapshot()
-    assert after["vfs"][1]["pending"] == 0 and after["current"] == 0
-    woke = after["wakeups"] - before["wakeups"]
-    assert woke < 50, f"{woke} wake-ups in 50 slices after one end of file"
-    r.sched.set_guest(1, None).result(10)
-    r.sched.set_guest(0, None).result(10)
-    for guest, bell in chans:
-        guest.close()
-        bell.close()
+    with guests(r) as chans:
+        chans[0][0].send(b"launch")  # VF0: a launch never taken, so it always has the device
+        wait_until(lambda: r.sched.snapshot()["current"] == 0)
+        before = r.sched.snapshot()
+        chans[1][0].close()  # VF1's guest goes; its VF stays off the device, watched
+        fifty_slices = 50 * SLICE_MS * 1_000_000
+        wait_until(lambda: r.sched.snapshot()["elapsed_ns"] - before["elapsed_ns"] > fifty_slices)
+        after = r.sched.snapshot()
+        assert after["vfs"][1]["pending"] == 0 and after["current"] == 0
+        woke = after["wakeups"] - before["wakeups"]
+        assert woke < 50, f"{woke} wake-ups in 50 slices after one end of file"
 
 
 def test_a_vf_stopped_while_taking_a_message_still_gets_its_turn(rig) -> None:
@@ -223,18 +228,12 @@ def test_a_vf_stopped_while_taking_a_message_still_gets_its_turn(rig) -> None:
     shows nothing and RECEIVED nothing new. Its TAKING word says it holds one; read
     without it, such a VF had no work and was never picked again beside a busy one."""
     r = rig("liquid", 2)
-    chans = [channel() for _ in range(2)]
-    for vf, (_guest, bell) in enumerate(chans):
-        r.sched.set_guest(vf, bell.fileno()).result(10)
-    chans[0][0].send(b"launch")  # VF0: a launch never taken, so it always has work
-    wait_until(lambda: r.sched.snapshot()["current"] == 0)
-    before = r.sched.snapshot()["vfs"][1]["switches_in"]
-    r.engines[1].status[Word.TAKING] = 1  # VF1's engine: stopped right after its read
-    wait_until(lambda: r.sched.snapshot()["vfs"][1]["switches_in"] > before)
-    for vf, (guest, bell) in enumerate(chans):
-        r.sched.set_guest(vf, None).result(10)
-        guest.close()
-        bell.close()
+    with guests(r) as chans:
+        chans[0][0].send(b"launch")  # VF0: a launch never taken, so it always has work
+        wait_until(lambda: r.sched.snapshot()["current"] == 0)
+        before = r.sched.snapshot()["vfs"][1]["switches_in"]
+        r.engines[1].status[Word.TAKING] = 1  # VF1's engine: stopped right after its read
+        wait_until(lambda: r.sched.snapshot()["vfs"][1]["switches_in"] > before)
 
 
 def test_an_engine_faking_its_running_kernel_still_hits_job_timeout(rig) -> None:
@@ -254,23 +253,18 @@ def test_an_engine_faking_its_running_kernel_still_hits_job_timeout(rig) -> None
 
 def test_an_idle_signal_storm_wakes_the_thread_a_bounded_number_of_times_a_slice(rig) -> None:
     r = rig("liquid", 2)
-    chans = [channel() for _ in range(2)]
-    for vf, (guest, bell) in enumerate(chans):
-        r.sched.set_guest(vf, bell.fileno()).result(10)
-        guest.send(b"launch")  # one launch each that is never taken: both stay busy
-    wait_until(lambda: r.sched.snapshot()["current"] is not None)
-    before = r.sched.snapshot()
-    for _ in range(20_000):  # the engine's "my queue drained" eventfd, written as it can
-        for e in r.engines:
-            os.eventfd_write(e.idle_fd(), 1)
-    after = r.sched.snapshot()
-    woke = after["wakeups"] - before["wakeups"]
-    slices = after["switches"] - before["switches"] + 1
-    assert woke <= (IDLE_WAKES_MAX + 2) * slices + 10, (woke, slices)
-    for vf, (guest, bell) in enumerate(chans):
-        r.sched.set_guest(vf, None).result(10)
-        guest.close()
-        bell.close()
+    with guests(r) as chans:
+        for guest, _bell in chans:
+            guest.send(b"launch")  # one launch each that is never taken: both stay busy
+        wait_until(lambda: r.sched.snapshot()["current"] is not None)
+        before = r.sched.snapshot()
+        for _ in range(20_000):  # the engine's "my queue drained" eventfd, written as it can
+            for e in r.engines:
+                os.eventfd_write(e.idle_fd(), 1)
+        after = r.sched.snapshot()
+        woke = after["wakeups"] - before["wakeups"]
+        slices = after["switches"] - before["switches"] + 1
+        assert woke <= (IDLE_WAKES_MAX + 2) * slices + 10, (woke, slices)
 
 
 def test_a_parked_vf_running_a_launch_it_never_rang_for_still_hits_job_timeout(rig) -> None:
