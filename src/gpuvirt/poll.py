@@ -50,7 +50,7 @@ T = TypeVar("T")
 POLL_ENV = "GPUVIRT_POLL_US"  # the guest's limit; 0 turns polling off
 GROW_FROM = 4  # a window that grows from nothing starts at limit / GROW_FROM
 SHARED_STREAK = 2  # shared polls in a row that stop polling
-SHARED_BACKOFF = 256  # at most this many waits without polling after a shared poll
+SHARED_BACKOFF = 256  # at most this many waits without polling after shared polls in a row
 BARE_YIELD_NS = 1_000_000  # a bare yield's cost until one is seen (any real one is less)
 
 
